@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite against a real Kafka and a real PostgreSQL, started here
+# unless KAFKA_BROKERS / DATABASE_URL name your own. Extra arguments go to go test.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/services.sh"
+cd "$ONCE_ROOT"
+trap stop_services EXIT
+start_services
+# Integration tests skip without these; under this script they must not.
+export ONCE_REQUIRE_SERVICES=1
+go vet ./...
+go test -count=1 -timeout 20m -p 1 ./... "$@"
