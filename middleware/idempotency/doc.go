@@ -1,0 +1,38 @@
+// Package idempotency is a Watermill handler middleware that makes a
+// consumer's database effects happen once per event and consumer group,
+// although Kafka delivers at least once.
+//
+// For every message it begins a PostgreSQL transaction, claims
+// (event_id, consumer_group) in processed_event with one
+// INSERT ... ON CONFLICT DO NOTHING as the transaction's first statement,
+// and, only when the claim inserted a row, runs the handler with that
+// transaction in the message context ([TxFromContext]) and commits. A
+// duplicate is acknowledged without running the handler. The offset is
+// committed by the subscriber only after the handler returns, so after the
+// transaction committed (R-KFK-IDEM-3).
+//
+// # Guarantee
+//
+// Every write the handler makes through the transaction from [TxFromContext]
+// happens exactly once per (event id, consumer group), across redeliveries,
+// rebalances, offset resets, replays and concurrent consumers: the claim's
+// unique key serialises racing transactions, and a failed or panicking
+// handler rolls the claim back with its writes, so the next delivery runs it
+// again.
+//
+// # Limits
+//
+//   - Effects outside that transaction (HTTP calls, e-mails, other
+//     databases) may run more than once: the handler can run, call out, and
+//     fail to commit. They need their own idempotency, such as an
+//     Idempotency-Key equal to the event id (R-KFK-IDEM-4).
+//   - Dedup lasts as long as the claim row: once a retention job removed it,
+//     a redelivery is processed again. Bound the age of what you accept.
+//   - The key is the event's own id (R-KFK-IDEM-1), never a Kafka offset
+//     (R-KFK-IDEM-X2). The same id with a different payload is reported as
+//     [ErrPayloadMismatch], not skipped.
+//   - While PostgreSQL is unreachable the middleware holds the message and
+//     retries with backoff; it never turns an outage of the database into a
+//     failure of the message. It gives up only when the message context ends
+//     (shutdown) or the partition is revoked ([Config.PartitionRevoked]).
+package idempotency

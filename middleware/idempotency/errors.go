@@ -1,0 +1,89 @@
+package idempotency
+
+import (
+	"errors"
+	"io"
+	"net"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+var (
+	// ErrNoTransaction is returned by [TxFromContext] when a handler runs
+	// without the middleware in front of it.
+	ErrNoTransaction = errors.New("idempotency: no transaction in context: the handler is not wrapped by idempotency.Middleware")
+
+	// ErrInvalidKey means the message carries no usable dedup key. It is
+	// permanent: no redelivery of the same bytes can fix it.
+	ErrInvalidKey = errors.New("idempotency: invalid dedup key")
+
+	// ErrPayloadMismatch means an event id was already processed with
+	// different payload bytes: a producer reused an id, which is a bug on its
+	// side, not a duplicate. It is permanent and the handler is not run.
+	ErrPayloadMismatch = errors.New("idempotency: event id already processed with a different payload")
+
+	// ErrRevoked means the middleware stopped waiting for the database because
+	// the message's partition was revoked; the message was not processed and
+	// its new owner will receive it again.
+	ErrRevoked = errors.New("idempotency: partition revoked while waiting for the database; message left for its new owner")
+)
+
+type permanentError struct{ err error }
+
+func (e permanentError) Error() string { return e.err.Error() }
+func (e permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as one that no retry can fix (a malformed event, a
+// charge the provider refused for good). Routers should dead-letter such a
+// message at once instead of retrying it. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return permanentError{err}
+}
+
+// IsPermanent reports whether err, or an error it wraps, was marked by
+// [Permanent].
+func IsPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p)
+}
+
+// isOutage reports whether err says the database could not be reached or the
+// connection broke, as opposed to the database refusing this message's work.
+// An outage is never a reason to give up on a message.
+func isOutage(err error) bool {
+	if err == nil {
+		return false
+	}
+	var marked outage
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &marked), errors.As(err, &connectErr), errors.As(err, &netErr),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return true
+	case errors.As(err, &pgErr):
+		switch {
+		case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08": // connection_exception
+			return true
+		case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin/crash shutdown, cannot connect now
+			return true
+		case pgErr.Code == "53300": // too_many_connections
+			return true
+		}
+		return false
+	}
+	// Not sent at all (the connection was already gone): safe to call an outage.
+	return pgconn.SafeToRetry(err)
+}
+
+// isSerializationFailure reports the errors a transaction gets when it lost a
+// race it could not wait out: under REPEATABLE READ or SERIALIZABLE the losing
+// claim of the same key fails with 40001 instead of returning zero rows.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
+}

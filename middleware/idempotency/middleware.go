@@ -1,0 +1,339 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// claimSQL is the whole dedup decision (R-KFK-IDEM-2): one row inserted means
+// first delivery; zero rows means another transaction holds or committed the
+// claim. A concurrent claimer of the same key blocks on the unique index until
+// the first transaction ends, then gets zero rows (or inserts, if the first
+// rolled back).
+const claimSQL = `INSERT INTO processed_event (event_id, consumer_group, payload_sha256)
+VALUES ($1, $2, $3)
+ON CONFLICT (event_id, consumer_group) DO NOTHING`
+
+// storedHashSQL runs as its own statement, after the claim, on purpose: at
+// READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
+// claimSQL waited, which a CTE sharing claimSQL's snapshot would not.
+const storedHashSQL = `SELECT payload_sha256 FROM processed_event
+WHERE event_id = $1 AND consumer_group = $2`
+
+// TxBeginner begins the transaction of one message. *pgxpool.Pool implements it.
+type TxBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// Config configures a [Middleware]. The zero values of optional fields work.
+type Config struct {
+	// DB begins the transaction shared by the claim and the handler. Required.
+	DB TxBeginner
+
+	// ConsumerGroup is the second half of the dedup key: billing having
+	// processed an event says nothing about analytics. Required.
+	ConsumerGroup string
+
+	// Key extracts the dedup key. Default: [PayloadEventID].
+	Key KeyFunc
+
+	// IsoLevel of the message transaction. Default: pgx.ReadCommitted, under
+	// which a losing concurrent claim waits and then sees zero rows. Under
+	// RepeatableRead or Serializable it fails with SQLSTATE 40001 instead; the
+	// middleware then retries the whole attempt, which finds the winner's row.
+	IsoLevel pgx.TxIsoLevel
+
+	// SerializationRetries bounds those retries of 40001 and deadlocks.
+	// Default: 10.
+	SerializationRetries int
+
+	// FinishTimeout bounds commit and rollback. They run on a context detached
+	// from the message's, because Watermill cancels in-flight message contexts
+	// when the router closes, and a commit cancelled half-way would turn a
+	// finished handler into a redelivery. Default: 10s.
+	FinishTimeout time.Duration
+
+	// OutageBackoff is the first wait after the database could not be reached;
+	// it doubles up to OutageMaxBackoff. Defaults: 100ms and 5s.
+	OutageBackoff    time.Duration
+	OutageMaxBackoff time.Duration
+
+	// PartitionRevoked, if set, returns a channel that is closed once this
+	// consumer no longer owns the message's partition. While the database is
+	// unreachable the middleware watches it and returns [ErrRevoked], so that
+	// a rebalance is not blocked by a message that cannot be processed here.
+	PartitionRevoked func(msg *message.Message) <-chan struct{}
+
+	// OnResult, if set, is called once per message with what happened to it.
+	OnResult func(Result)
+
+	// Logger receives one line per failure, outage wait and payload mismatch.
+	// Default: slog.Default().
+	Logger *slog.Logger
+
+	// LogAttrs, if set, adds attributes to those lines (partition, offset).
+	LogAttrs func(msg *message.Message) []any
+}
+
+func (c *Config) setDefaults() {
+	if c.Key == nil {
+		c.Key = PayloadEventID
+	}
+	if c.IsoLevel == "" {
+		c.IsoLevel = pgx.ReadCommitted
+	}
+	if c.SerializationRetries == 0 {
+		c.SerializationRetries = 10
+	}
+	if c.FinishTimeout == 0 {
+		c.FinishTimeout = 10 * time.Second
+	}
+	if c.OutageBackoff == 0 {
+		c.OutageBackoff = 100 * time.Millisecond
+	}
+	if c.OutageMaxBackoff == 0 {
+		c.OutageMaxBackoff = 5 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Validate reports the first missing or impossible setting.
+func (c Config) Validate() error {
+	switch {
+	case c.DB == nil:
+		return errors.New("idempotency: Config.DB is required")
+	case c.ConsumerGroup == "":
+		return errors.New("idempotency: Config.ConsumerGroup is required")
+	case c.SerializationRetries < 0:
+		return errors.New("idempotency: Config.SerializationRetries must not be negative")
+	case c.FinishTimeout < 0, c.OutageBackoff < 0, c.OutageMaxBackoff < c.OutageBackoff:
+		return errors.New("idempotency: timeouts must be positive and OutageMaxBackoff >= OutageBackoff")
+	}
+	return nil
+}
+
+// Outcome is what the middleware did with one message.
+type Outcome int
+
+const (
+	// Processed: first delivery; the handler ran and its transaction committed.
+	Processed Outcome = iota + 1
+	// Duplicate: already processed by this consumer group; the handler did not run.
+	Duplicate
+	// PayloadMismatch: the id was processed with other bytes; the handler did not run.
+	PayloadMismatch
+	// Failed: the key was invalid, or the handler or its commit failed; nothing was written.
+	Failed
+	// Abandoned: the database was unreachable until shutdown or revocation; nothing was written.
+	Abandoned
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Processed:
+		return "processed"
+	case Duplicate:
+		return "duplicate"
+	case PayloadMismatch:
+		return "payload_mismatch"
+	case Failed:
+		return "failed"
+	case Abandoned:
+		return "abandoned"
+	}
+	return fmt.Sprintf("Outcome(%d)", int(o))
+}
+
+// Result describes one pass of a message through the middleware.
+type Result struct {
+	Outcome       Outcome
+	EventID       uuid.UUID // uuid.Nil when the key could not be read
+	ConsumerGroup string
+	Duration      time.Duration
+	OutageWaits   int   // times the database was unreachable and the middleware waited
+	Err           error // nil for Processed and Duplicate
+}
+
+// Middleware is the idempotent-consumer middleware of one consumer group.
+// Create one per group with [New]; it is safe for concurrent use.
+type Middleware struct {
+	cfg Config
+}
+
+// New validates cfg and returns the middleware.
+func New(cfg Config) (*Middleware, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Middleware{cfg: cfg}, nil
+}
+
+// Middleware wraps h as described in the package documentation. Errors it
+// returns are either [Permanent] (invalid key, [ErrPayloadMismatch], or what
+// the handler marked so), [ErrRevoked], the message context's error, or the
+// handler's own error after the rollback.
+func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		start := time.Now()
+		res := Result{ConsumerGroup: m.cfg.ConsumerGroup}
+		report := func(o Outcome, err error) {
+			res.Outcome, res.Err, res.Duration = o, err, time.Since(start)
+			if m.cfg.OnResult != nil {
+				m.cfg.OnResult(res)
+			}
+		}
+
+		key, err := m.cfg.Key(msg)
+		if err != nil {
+			err = Permanent(err)
+			report(Failed, err)
+			return nil, err
+		}
+		res.EventID = key
+		sum := sha256.Sum256(msg.Payload)
+
+		wait := m.cfg.OutageBackoff
+		for serializationRetries := 0; ; {
+			outcome, produced, err := m.attempt(msg, h, key, sum[:])
+			switch {
+			case err == nil:
+				report(outcome, nil)
+				return produced, nil
+			case isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries:
+				serializationRetries++
+				continue
+			case isOutage(err):
+				res.OutageWaits++
+				m.log(msg, slog.LevelWarn, "database unreachable; holding the message", key, "err", err, "retry_in", wait)
+				if err := m.sleep(msg, wait); err != nil {
+					report(Abandoned, err)
+					return nil, err
+				}
+				wait = min(2*wait, m.cfg.OutageMaxBackoff)
+				continue
+			}
+			if outcome == PayloadMismatch {
+				m.log(msg, slog.LevelError, "event id reused with a different payload", key, "err", err)
+			}
+			if outcome == 0 {
+				outcome = Failed
+			}
+			report(outcome, err)
+			return nil, err
+		}
+	}
+}
+
+// attempt runs one transaction: claim, then either skip or run the handler and
+// commit. The deferred rollback also covers a panicking handler, so a panic
+// leaves no claim behind before it unwinds to the recoverer.
+func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sum []byte) (_ Outcome, _ []*message.Message, err error) {
+	msgCtx := msg.Context()
+	tx, err := m.cfg.DB.BeginTx(msgCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
+	if err != nil {
+		return 0, nil, fmt.Errorf("idempotency: begin transaction: %w", err)
+	}
+	done := false
+	defer func() {
+		if !done {
+			m.rollback(msgCtx, tx)
+		}
+		// A handler error caused by a dead connection is an outage, not the
+		// message's fault, whatever the handler wrapped it in.
+		if err != nil && !isOutage(err) && tx.Conn().IsClosed() {
+			err = fmt.Errorf("%w (connection lost)", err)
+			err = outage{err}
+		}
+	}()
+
+	tag, err := tx.Exec(msgCtx, claimSQL, key, m.cfg.ConsumerGroup, sum)
+	if err != nil {
+		return 0, nil, fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+	}
+	if tag.RowsAffected() == 0 {
+		var stored []byte
+		if err := tx.QueryRow(msgCtx, storedHashSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
+			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+		}
+		if !bytes.Equal(stored, sum) {
+			return PayloadMismatch, nil, Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
+		}
+		return Duplicate, nil, nil
+	}
+
+	msg.SetContext(ContextWithTx(msgCtx, tx))
+	produced, err := func() ([]*message.Message, error) {
+		defer msg.SetContext(msgCtx) // the transaction must not outlive this attempt
+		return h(msg)
+	}()
+	if err != nil {
+		return Failed, nil, err
+	}
+
+	ctx, cancel := m.finishContext(msgCtx)
+	defer cancel()
+	done = true
+	if err := tx.Commit(ctx); err != nil {
+		// Whether a commit that lost its connection took effect is unknown;
+		// either way the next attempt decides correctly: it finds the claim
+		// (skip) or does not (process).
+		return Failed, nil, fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+	}
+	return Processed, produced, nil
+}
+
+// outage marks an error as an outage for isOutage's callers.
+type outage struct{ error }
+
+func (o outage) Unwrap() error { return o.error }
+
+func (m *Middleware) finishContext(msgCtx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(msgCtx), m.cfg.FinishTimeout)
+}
+
+func (m *Middleware) rollback(msgCtx context.Context, tx pgx.Tx) {
+	ctx, cancel := m.finishContext(msgCtx)
+	defer cancel()
+	// A failed rollback leaves nothing behind: PostgreSQL aborts the
+	// transaction when the connection goes, and pgx closes such a connection.
+	_ = tx.Rollback(ctx)
+}
+
+// sleep waits d, or returns why the message should be given up instead.
+func (m *Middleware) sleep(msg *message.Message, d time.Duration) error {
+	var revoked <-chan struct{}
+	if m.cfg.PartitionRevoked != nil {
+		revoked = m.cfg.PartitionRevoked(msg)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-revoked:
+		return ErrRevoked
+	case <-msg.Context().Done():
+		return fmt.Errorf("idempotency: gave up waiting for the database: %w", msg.Context().Err())
+	}
+}
+
+func (m *Middleware) log(msg *message.Message, level slog.Level, text string, key uuid.UUID, attrs ...any) {
+	attrs = append(attrs, "event_id", key, "consumer_group", m.cfg.ConsumerGroup,
+		"topic", message.SubscribeTopicFromCtx(msg.Context()))
+	if m.cfg.LogAttrs != nil {
+		attrs = append(attrs, m.cfg.LogAttrs(msg)...)
+	}
+	m.cfg.Logger.Log(msg.Context(), level, text, attrs...)
+}

@@ -1,0 +1,443 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+)
+
+// effects is a business table written only through the claim's transaction;
+// its row count per (event, group) is the number of times the effect happened.
+const createEffects = `CREATE TABLE IF NOT EXISTS idempotency_test_effect (
+	event_id uuid NOT NULL, consumer_group text NOT NULL, at timestamptz NOT NULL DEFAULT now())`
+
+func setup(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	if _, err := pool.Exec(context.Background(), createEffects); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// uniqueGroup keeps tests independent of each other and of earlier runs.
+func uniqueGroup(t *testing.T, name string) string {
+	return fmt.Sprintf("%s-%s-%s", t.Name(), name, uuid.NewString()[:8])
+}
+
+func newEvent(t *testing.T) (uuid.UUID, *message.Message) {
+	t.Helper()
+	id := uuid.Must(uuid.NewV7())
+	return id, newMessage(id, `"amount":"10.00"`)
+}
+
+func newMessage(id uuid.UUID, extra string) *message.Message {
+	msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf(`{"event_id":%q,%s}`, id, extra)))
+	msg.SetContext(context.Background())
+	return msg
+}
+
+// recordEffect is a handler that writes one effect row through the claim's transaction.
+func recordEffect(group string, runs *atomic.Int64) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		tx, err := idempotency.TxFromContext(msg.Context())
+		if err != nil {
+			return nil, err
+		}
+		id, _ := idempotency.PayloadEventID(msg)
+		_, err = tx.Exec(msg.Context(), `INSERT INTO idempotency_test_effect (event_id, consumer_group) VALUES ($1, $2)`, id, group)
+		return nil, err
+	}
+}
+
+func newMiddleware(t *testing.T, cfg idempotency.Config) *idempotency.Middleware {
+	t.Helper()
+	m, err := idempotency.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func count(t *testing.T, pool *pgxpool.Pool, query string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), query, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func effects(t *testing.T, pool *pgxpool.Pool, id uuid.UUID, group string) int {
+	return count(t, pool, `SELECT count(*) FROM idempotency_test_effect WHERE event_id = $1 AND consumer_group = $2`, id, group)
+}
+
+func claims(t *testing.T, pool *pgxpool.Pool, id uuid.UUID, group string) int {
+	return count(t, pool, `SELECT count(*) FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, id, group)
+}
+
+func TestSameEventFiveTimesRunsOncePerGroup(t *testing.T) {
+	pool := setup(t)
+	id, msg := newEvent(t)
+	for _, name := range []string{"billing", "analytics"} {
+		group := uniqueGroup(t, name)
+		var runs atomic.Int64
+		var outcomes []idempotency.Outcome
+		m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
+			OnResult: func(r idempotency.Result) { outcomes = append(outcomes, r.Outcome) }})
+		h := m.Middleware(recordEffect(group, &runs))
+		for range 5 {
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatalf("%s: %v", group, err)
+			}
+		}
+		if runs.Load() != 1 || effects(t, pool, id, group) != 1 || claims(t, pool, id, group) != 1 {
+			t.Fatalf("%s: handler ran %d times, %d effects, %d claims; want 1 each",
+				group, runs.Load(), effects(t, pool, id, group), claims(t, pool, id, group))
+		}
+		want := []idempotency.Outcome{idempotency.Processed, idempotency.Duplicate, idempotency.Duplicate, idempotency.Duplicate, idempotency.Duplicate}
+		if fmt.Sprint(outcomes) != fmt.Sprint(want) {
+			t.Fatalf("%s: outcomes %v, want %v", group, outcomes, want)
+		}
+	}
+}
+
+// Twenty workers claim one key at once. The handler holds its transaction
+// open long enough that the others must block on the unique index, and then
+// all of them must see the committed claim and skip.
+func TestConcurrentClaimsRunHandlerOnce(t *testing.T) {
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			pool := setup(t)
+			group := uniqueGroup(t, "race")
+			id, msg := newEvent(t)
+			var runs atomic.Int64
+			var mu sync.Mutex
+			got := map[idempotency.Outcome]int{}
+			m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, IsoLevel: iso,
+				OnResult: func(r idempotency.Result) { mu.Lock(); got[r.Outcome]++; mu.Unlock() }})
+			inner := recordEffect(group, &runs)
+			h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				time.Sleep(200 * time.Millisecond)
+				return inner(msg)
+			})
+			start := make(chan struct{})
+			var wg sync.WaitGroup
+			errs := make(chan error, 20)
+			for range 20 {
+				wg.Go(func() {
+					<-start
+					if _, err := h(msg.Copy()); err != nil {
+						errs <- err
+					}
+				})
+			}
+			close(start)
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Errorf("worker: %v", err)
+			}
+			if runs.Load() != 1 || effects(t, pool, id, group) != 1 {
+				t.Fatalf("handler ran %d times with %d effects; want 1", runs.Load(), effects(t, pool, id, group))
+			}
+			if got[idempotency.Processed] != 1 || got[idempotency.Duplicate] != 19 {
+				t.Fatalf("outcomes %v; want 1 processed, 19 duplicate", got)
+			}
+		})
+	}
+}
+
+func TestFailedAttemptLeavesNoClaimAndRetryRunsOnce(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	var runs atomic.Int64
+	inner := recordEffect(group, &runs)
+	boom := errors.New("provider answered 503")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := inner(msg); err != nil {
+			return nil, err
+		}
+		if runs.Load() == 1 {
+			return nil, boom // after the business write: both must roll back
+		}
+		return nil, nil
+	})
+
+	if _, err := h(msg.Copy()); !errors.Is(err, boom) {
+		t.Fatalf("first attempt: got %v, want %v", err, boom)
+	}
+	if c, e := claims(t, pool, id, group), effects(t, pool, id, group); c != 0 || e != 0 {
+		t.Fatalf("after failure: %d claims, %d effects; want none", c, e)
+	}
+	for range 3 {
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if runs.Load() != 2 || effects(t, pool, id, group) != 1 || claims(t, pool, id, group) != 1 {
+		t.Fatalf("handler ran %d times, %d effects, %d claims; want 2 runs, 1 effect, 1 claim",
+			runs.Load(), effects(t, pool, id, group), claims(t, pool, id, group))
+	}
+}
+
+func TestPanicRollsBackClaimAndPropagates(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	var runs atomic.Int64
+	inner := recordEffect(group, &runs)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		_, _ = inner(msg)
+		panic("handler bug")
+	})
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("panic was swallowed; the recoverer further out must see it")
+			}
+		}()
+		_, _ = h(msg)
+	}()
+	if c, e := claims(t, pool, id, group), effects(t, pool, id, group); c != 0 || e != 0 {
+		t.Fatalf("after panic: %d claims, %d effects; want none", c, e)
+	}
+}
+
+func TestSameIDDifferentPayloadIsPermanentAndSkipsHandler(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id := uuid.Must(uuid.NewV7())
+	var runs atomic.Int64
+	var last idempotency.Result
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OnResult: func(r idempotency.Result) { last = r }})
+	h := m.Middleware(recordEffect(group, &runs))
+	if _, err := h(newMessage(id, `"amount":"10.00"`)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := h(newMessage(id, `"amount":"99.00"`))
+	if !errors.Is(err, idempotency.ErrPayloadMismatch) || !idempotency.IsPermanent(err) {
+		t.Fatalf("got %v; want a permanent ErrPayloadMismatch", err)
+	}
+	if runs.Load() != 1 || last.Outcome != idempotency.PayloadMismatch {
+		t.Fatalf("handler ran %d times, last outcome %v; want 1 and payload_mismatch", runs.Load(), last.Outcome)
+	}
+}
+
+func TestInvalidKeysArePermanent(t *testing.T) {
+	pool := setup(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+	h := m.Middleware(func(*message.Message) ([]*message.Message, error) {
+		t.Fatal("handler must not run")
+		return nil, nil
+	})
+	for name, payload := range map[string]string{
+		"not json":   `{"event_id":`,
+		"missing id": `{"amount":"1.00"}`,
+		"not a uuid": `{"event_id":"order-17"}`,
+		"uuid v4":    fmt.Sprintf(`{"event_id":%q}`, uuid.New()),
+	} {
+		msg := message.NewMessage("m", []byte(payload))
+		_, err := h(msg)
+		if !errors.Is(err, idempotency.ErrInvalidKey) || !idempotency.IsPermanent(err) {
+			t.Errorf("%s: got %v; want a permanent ErrInvalidKey", name, err)
+		}
+	}
+}
+
+func TestTxFromContextOutsideMiddleware(t *testing.T) {
+	if _, err := idempotency.TxFromContext(context.Background()); !errors.Is(err, idempotency.ErrNoTransaction) {
+		t.Fatalf("got %v, want ErrNoTransaction", err)
+	}
+}
+
+// Watermill cancels in-flight message contexts when the router closes. A
+// handler that finished its work just then must still be committed.
+func TestCommitSurvivesCancelledMessageContext(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	msg.SetContext(ctx)
+	var runs atomic.Int64
+	inner := recordEffect(group, &runs)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		out, err := inner(msg)
+		cancel() // the router closes while the handler returns
+		return out, err
+	})
+	if _, err := h(msg); err != nil {
+		t.Fatal(err)
+	}
+	if claims(t, pool, id, group) != 1 || effects(t, pool, id, group) != 1 {
+		t.Fatal("the commit was lost to the cancelled message context")
+	}
+}
+
+// flakyProxy forwards TCP to PostgreSQL, but while down it accepts and at once
+// closes connections: to pgx that is the database being unreachable.
+type flakyProxy struct {
+	ln   net.Listener
+	down atomic.Bool
+	mu   sync.Mutex
+	open []net.Conn
+}
+
+func newFlakyProxy(t *testing.T, target string) *flakyProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &flakyProxy{ln: ln}
+	t.Cleanup(func() { ln.Close(); p.cut() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			if p.down.Load() {
+				c.Close()
+				continue
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.open = append(p.open, c, s)
+			p.mu.Unlock()
+			go func() { _, _ = io.Copy(s, c); s.Close() }()
+			go func() { _, _ = io.Copy(c, s); c.Close() }()
+		}
+	}()
+	return p
+}
+
+// cut drops every open connection, as a database restart would.
+func (p *flakyProxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.open {
+		c.Close()
+	}
+	p.open = nil
+}
+
+func proxiedPool(t *testing.T, direct *pgxpool.Pool) (*pgxpool.Pool, *flakyProxy) {
+	t.Helper()
+	cfg := direct.Config().Copy()
+	p := newFlakyProxy(t, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port))
+	addr := p.ln.Addr().(*net.TCPAddr)
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = addr.IP.String(), uint16(addr.Port)
+	cfg.ConnConfig.ConnectTimeout = time.Second
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool, p
+}
+
+// While the database is unreachable the message is held, not failed and not
+// dead-lettered; once it is back, the message is processed once.
+func TestDatabaseOutageHoldsMessageUntilBack(t *testing.T) {
+	direct := setup(t)
+	pool, proxy := proxiedPool(t, direct)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	var runs atomic.Int64
+	var res idempotency.Result
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
+		OutageBackoff: 20 * time.Millisecond, OutageMaxBackoff: 100 * time.Millisecond,
+		OnResult: func(r idempotency.Result) { res = r }})
+	h := m.Middleware(recordEffect(group, &runs))
+
+	proxy.down.Store(true)
+	proxy.cut()
+	go func() { time.Sleep(700 * time.Millisecond); proxy.down.Store(false) }()
+	if _, err := h(msg); err != nil {
+		t.Fatalf("got %v; an outage must not fail the message", err)
+	}
+	if res.Outcome != idempotency.Processed || res.OutageWaits == 0 {
+		t.Fatalf("result %+v; want processed after at least one outage wait", res)
+	}
+	if effects(t, direct, id, group) != 1 {
+		t.Fatal("want exactly one effect after the outage")
+	}
+}
+
+// A connection that breaks inside the handler is an outage as well: the
+// attempt is rolled back and repeated, not reported as the message's failure.
+func TestConnectionLostInHandlerIsRetriedAsOutage(t *testing.T) {
+	direct := setup(t)
+	pool, proxy := proxiedPool(t, direct)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	var runs atomic.Int64
+	inner := recordEffect(group, &runs)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OutageBackoff: 10 * time.Millisecond})
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if runs.Load() == 0 {
+			proxy.cut()
+		}
+		return inner(msg)
+	})
+	if _, err := h(msg); err != nil {
+		t.Fatalf("got %v; want the attempt repeated after the connection loss", err)
+	}
+	if runs.Load() != 2 || effects(t, direct, id, group) != 1 {
+		t.Fatalf("%d runs, %d effects; want 2 runs and 1 effect", runs.Load(), effects(t, direct, id, group))
+	}
+}
+
+func TestOutageGivesUpOnRevocationAndShutdown(t *testing.T) {
+	direct := setup(t)
+	pool, proxy := proxiedPool(t, direct)
+	proxy.down.Store(true)
+
+	revoked := make(chan struct{})
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"),
+		OutageBackoff: 10 * time.Millisecond, OutageMaxBackoff: 50 * time.Millisecond,
+		PartitionRevoked: func(*message.Message) <-chan struct{} { return revoked }})
+	h := m.Middleware(func(*message.Message) ([]*message.Message, error) {
+		t.Error("handler must not run during an outage")
+		return nil, nil
+	})
+
+	_, msg := newEvent(t)
+	time.AfterFunc(200*time.Millisecond, func() { close(revoked) })
+	if _, err := h(msg); !errors.Is(err, idempotency.ErrRevoked) {
+		t.Fatalf("got %v, want ErrRevoked", err)
+	}
+
+	m = newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"), OutageBackoff: 10 * time.Millisecond})
+	_, msg = newEvent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	msg.SetContext(ctx)
+	if _, err := m.Middleware(recordEffect("x", new(atomic.Int64)))(msg); !errors.Is(err, context.DeadlineExceeded) || idempotency.IsPermanent(err) {
+		t.Fatalf("got %v; want the message context's error, not permanent", err)
+	}
+}
