@@ -1,20 +1,43 @@
 #!/usr/bin/env bash
 # Sourced by dev/test.sh, dev/run.sh and .ci/run: makes KAFKA_BROKERS and
 # DATABASE_URL point at working services. Where a variable is already set, that
-# service is used as it is and nothing is started for it. ONCE_STARTED lists
-# what this shell started, so that stop_services stops exactly that.
+# service is used as it is and nothing is started for it.
+#
+# Ownership: a service this shell starts is stopped by stop_services. One that
+# was already running is used and left alone, unless the run that started it
+# is gone (killed before its cleanup): then it is adopted and stopped here, so
+# an interrupted run leaves nothing behind after the next one.
 
 ONCE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ONCE_DEV=${ONCE_DEV_DIR:-$ONCE_ROOT/.dev}
 ONCE_STARTED=""
+
+# _alive: the process exists and is not a zombie (a killed run may linger as
+# one where nothing reaps it, and kill -0 succeeds on zombies).
+_alive() { [[ -r /proc/$1/stat ]] && [[ $(cut -d' ' -f3 "/proc/$1/stat") != Z ]]; }
+
+_own() { # service
+	local s=$1 owner=$ONCE_DEV/$1.owner prev
+	mkdir -p "$ONCE_DEV"
+	if "$ONCE_ROOT/dev/$s.sh" status >/dev/null 2>&1; then
+		prev=$(cat "$owner" 2>/dev/null || true)
+		if [[ -z $prev ]] || _alive "$prev"; then
+			return # started by hand, or by a run still going: not ours to stop
+		fi
+		echo "$s: adopting the instance left by interrupted run $prev" >&2
+	fi
+	echo $$ >"$owner"
+	ONCE_STARTED+=" $s"
+}
 
 start_services() {
 	if [[ -z ${KAFKA_BROKERS:-} ]]; then
+		_own kafka
 		KAFKA_BROKERS=$("$ONCE_ROOT/dev/kafka.sh" start) || return 1
-		ONCE_STARTED+=" kafka"
 	fi
 	if [[ -z ${DATABASE_URL:-} ]]; then
+		_own postgres
 		DATABASE_URL=$("$ONCE_ROOT/dev/postgres.sh" start) || return 1
-		ONCE_STARTED+=" postgres"
 	fi
 	export KAFKA_BROKERS DATABASE_URL
 	echo "using KAFKA_BROKERS=$KAFKA_BROKERS DATABASE_URL=$DATABASE_URL" >&2
@@ -22,6 +45,9 @@ start_services() {
 
 stop_services() {
 	local s
-	for s in $ONCE_STARTED; do "$ONCE_ROOT/dev/$s.sh" stop || true; done
+	for s in $ONCE_STARTED; do
+		"$ONCE_ROOT/dev/$s.sh" stop || true
+		rm -f "$ONCE_DEV/$s.owner"
+	done
 	ONCE_STARTED=""
 }

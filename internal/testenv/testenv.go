@@ -5,7 +5,11 @@
 package testenv
 
 import (
+	"fmt"
+
 	"context"
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
 	"os"
 	"strings"
 	"sync"
@@ -55,4 +59,86 @@ func Postgres(t testing.TB) *pgxpool.Pool {
 func Brokers(t testing.TB) []string {
 	t.Helper()
 	return strings.Split(need(t, "KAFKA_BROKERS"), ",")
+}
+
+// Topic creates a topic of its own for one test, so tests never see each
+// other's messages.
+func Topic(t testing.TB, brokers []string, partitions int32) string {
+	t.Helper()
+	name := fmt.Sprintf("test.%s.%s", strings.NewReplacer("/", ".", " ", "_").Replace(t.Name()), uuid.NewString()[:8])
+	admin := Admin(t, brokers)
+	if err := admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
+		t.Fatalf("create topic %s: %v", name, err)
+	}
+	return name
+}
+
+// Admin returns a cluster admin closed with the test.
+func Admin(t testing.TB, brokers []string) sarama.ClusterAdmin {
+	t.Helper()
+	admin, err := sarama.NewClusterAdmin(brokers, saramaConfig())
+	if err != nil {
+		t.Fatalf("kafka admin: %v", err)
+	}
+	t.Cleanup(func() { admin.Close() })
+	return admin
+}
+
+func saramaConfig() *sarama.Config {
+	c := sarama.NewConfig()
+	c.Version = sarama.V4_3_1_0
+	c.Producer.Return.Successes = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	return c
+}
+
+// Producer returns a plain sarama producer: tests publish raw bytes as any
+// Kafka client would, with no Watermill headers.
+func Producer(t testing.TB, brokers []string) sarama.SyncProducer {
+	t.Helper()
+	p, err := sarama.NewSyncProducer(brokers, saramaConfig())
+	if err != nil {
+		t.Fatalf("kafka producer: %v", err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// Publish sends payload to topic with key.
+func Publish(t testing.TB, p sarama.SyncProducer, topic, key string, payload []byte) {
+	t.Helper()
+	msg := &sarama.ProducerMessage{Topic: topic, Value: sarama.ByteEncoder(payload)}
+	if key != "" {
+		msg.Key = sarama.StringEncoder(key)
+	}
+	if _, _, err := p.SendMessage(msg); err != nil {
+		t.Fatalf("publish to %s: %v", topic, err)
+	}
+}
+
+// Eventually polls cond every 50ms until it holds or timeout passes.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for: %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// CommittedOffsets returns the group's committed offset per partition of topic
+// (-1 where none was committed).
+func CommittedOffsets(t testing.TB, admin sarama.ClusterAdmin, group, topic string) map[int32]int64 {
+	t.Helper()
+	resp, err := admin.ListConsumerGroupOffsets(group, nil)
+	if err != nil {
+		t.Fatalf("list offsets of %s: %v", group, err)
+	}
+	out := map[int32]int64{}
+	for partition, block := range resp.Blocks[topic] {
+		out[partition] = block.Offset
+	}
+	return out
 }

@@ -1,0 +1,107 @@
+// Command app runs the once reference service: the consumer groups of the
+// order-confirmed topic, its migrations, and (as they land) the payment
+// provider simulator, the order service and the demo. Every subcommand has
+// --help; settings come from flags or the environment variables named there.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/alecthomas/kong"
+
+	"github.com/once-dev/once/pipeline"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	code := 0
+	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+		var exit exitCode
+		if errors.As(err, &exit) {
+			code = int(exit)
+		} else {
+			fmt.Fprintf(os.Stderr, "app: %v\n", err)
+			code = 1
+		}
+	}
+	stop()
+	os.Exit(code)
+}
+
+// exitCode carries kong's requested exit (after --help, or a usage error it
+// already printed) out of run, so only main calls os.Exit.
+type exitCode int
+
+func (e exitCode) Error() string { return fmt.Sprintf("exit %d", int(e)) }
+
+type cli struct {
+	LogLevel  slog.Level `name:"log-level" env:"ONCE_LOG_LEVEL" default:"info" help:"Log level: debug, info, warn, error."`
+	LogFormat string     `name:"log-format" env:"ONCE_LOG_FORMAT" default:"text" enum:"text,json" help:"Log format: text or json."`
+
+	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
+	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
+}
+
+// deps is what every subcommand receives.
+type deps struct {
+	log    *slog.Logger
+	stdout io.Writer
+	stderr io.Writer
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err error) {
+	var c cli
+	exited := false
+	parser, err := kong.New(&c,
+		kong.Name("app"),
+		kong.Description("once: Kafka consumers whose effects happen exactly once."),
+		kong.Writers(stdout, stderr),
+		kong.UsageOnError(),
+		kong.ConfigureHelp(kong.HelpOptions{Compact: true}),
+		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "groups": strings.Join(groupNames(), ", ")},
+		kong.Exit(func(code int) { exited = true; panic(exitCode(code)) }),
+	)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			code, ok := r.(exitCode)
+			if !ok || !exited {
+				panic(r)
+			}
+			err = code
+			if code == 0 {
+				err = nil
+			}
+		}
+	}()
+	kctx, err := parser.Parse(args)
+	if err != nil {
+		if strings.HasPrefix(err.Error(), "missing flags") {
+			return fmt.Errorf("%w (each can also be set through the environment variable that --help names)", err)
+		}
+		return err
+	}
+	log := newLogger(stderr, c.LogLevel, c.LogFormat)
+	slog.SetDefault(log)
+	kctx.BindTo(ctx, (*context.Context)(nil))
+	return kctx.Run(deps{log: log, stdout: stdout, stderr: stderr})
+}
+
+func newLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
+	opts := &slog.HandlerOptions{Level: level}
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}

@@ -1,0 +1,46 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+// A bad or missing setting stops start-up with a message naming it, before
+// anything connects anywhere.
+func TestBadSettingsAreNamed(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"serve", "--database-url", "postgres://x@127.0.0.1/db"}, "--kafka-brokers"},
+		{[]string{"serve", "--kafka-brokers", "127.0.0.1:9092"}, "--database-url"},
+		{[]string{"serve", "--kafka-brokers", "localhost", "--database-url", "postgres://x@h/db"}, "KAFKA_BROKERS"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--kafka-version", "0.10.2"}, "KAFKA_VERSION"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--groups", "shipping"}, "ONCE_GROUPS"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--commit-mode", "never"}, "--commit-mode"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "::nope", "--partitions", "1"}, "DATABASE_URL"},
+		{[]string{"migrate", "--database-url", "postgres://x@h/db", "--db-max-conns", "1"}, "ONCE_DB_MAX_CONNS"},
+	} {
+		t.Setenv("KAFKA_BROKERS", "")
+		t.Setenv("DATABASE_URL", "")
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), tc.args, &out, &errOut)
+		if err == nil || !strings.Contains(err.Error()+errOut.String(), tc.want) {
+			t.Errorf("%v: got %v (stderr %q); want an error naming %s", tc.args, err, errOut.String(), tc.want)
+		}
+	}
+}
+
+func TestHelpOnEverySubcommand(t *testing.T) {
+	for _, args := range [][]string{{"--help"}, {"serve", "--help"}, {"migrate", "--help"}} {
+		var out, errOut bytes.Buffer
+		if err := run(context.Background(), args, &out, &errOut); err != nil {
+			t.Errorf("%v: %v", args, err)
+		}
+		if !strings.Contains(out.String(), "Usage: app") {
+			t.Errorf("%v: no usage printed: %q", args, out.String())
+		}
+	}
+}

@@ -1,0 +1,185 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// DefaultKafkaVersion is the broker version dev/kafka.sh runs. Kafka 4 refuses
+// the protocol versions older than 2.1 (KIP-896) that Watermill's default
+// sarama configuration would announce, so the version is always set.
+const DefaultKafkaVersion = "4.3.1"
+
+// Metadata keys the pipeline sets on every consumed message. They travel with
+// a dead-lettered message as headers and say where it came from.
+const (
+	MetaKafkaPartition = "kafka_partition"
+	MetaKafkaOffset    = "kafka_offset"
+	MetaKafkaKey       = "kafka_key"
+)
+
+// CommitMode says when consumed offsets are committed to Kafka.
+type CommitMode string
+
+const (
+	// CommitInterval lets sarama commit acknowledged offsets every
+	// [Config.CommitInterval].
+	CommitInterval CommitMode = "interval"
+	// CommitSync commits synchronously after every acknowledged message.
+	CommitSync CommitMode = "sync"
+)
+
+func saramaBase(version sarama.KafkaVersion, clientID string) *sarama.Config {
+	c := sarama.NewConfig()
+	c.Version = version
+	c.ClientID = clientID
+	return c
+}
+
+func subscriberSaramaConfig(cfg Config) *sarama.Config {
+	c := saramaBase(cfg.kafkaVersion, "once-"+cfg.Topic)
+	c.Consumer.Return.Errors = true
+	// A new group must see the topic's history, not only what arrives after it joined.
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Consumer.Offsets.AutoCommit.Enable = cfg.CommitMode == CommitInterval
+	c.Consumer.Offsets.AutoCommit.Interval = cfg.CommitInterval
+	return c
+}
+
+// PublisherSaramaConfig is the producer configuration for order events and
+// dead letters: idempotent, acknowledged by all in-sync replicas, one request
+// in flight, so a retried send neither duplicates nor reorders inside a
+// partition.
+func PublisherSaramaConfig(version sarama.KafkaVersion) *sarama.Config {
+	c := saramaBase(version, "once-producer")
+	c.Producer.Return.Successes = true
+	c.Producer.Return.Errors = true
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Retry.Max = 10
+	c.Producer.Retry.Backoff = 100 * time.Millisecond
+	c.Net.MaxOpenRequests = 1
+	return c
+}
+
+// ParseKafkaVersion parses a broker version such as "4.3.1".
+func ParseKafkaVersion(s string) (sarama.KafkaVersion, error) {
+	v, err := sarama.ParseKafkaVersion(s)
+	if err != nil {
+		return v, err
+	}
+	if !v.IsAtLeast(sarama.V2_1_0_0) {
+		return v, fmt.Errorf("kafka version %s is older than 2.1, which Kafka 4 brokers refuse", s)
+	}
+	return v, nil
+}
+
+// EnsureTopics creates the topics that do not exist yet.
+func EnsureTopics(ctx context.Context, brokers []string, version sarama.KafkaVersion, partitions int32, replication int16, topics ...string) error {
+	admin, err := sarama.NewClusterAdmin(brokers, saramaBase(version, "once-admin"))
+	if err != nil {
+		return fmt.Errorf("kafka admin on %v: %w", brokers, err)
+	}
+	defer admin.Close()
+	for _, topic := range topics {
+		err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: replication}, false)
+		if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
+			return fmt.Errorf("create topic %s: %w", topic, err)
+		}
+	}
+	return nil
+}
+
+// unmarshaler never fails: watermill-kafka stops consuming a partition on an
+// unmarshal error, and a bad payload must reach the dead-letter topic instead.
+// Payload validation happens in the router.
+type unmarshaler struct{}
+
+func (unmarshaler) Unmarshal(km *sarama.ConsumerMessage) (*message.Message, error) {
+	md := make(message.Metadata, len(km.Headers)+3)
+	for _, h := range km.Headers {
+		// Reserved by watermill-kafka's marshaler; copying it would make the
+		// dead-letter publish fail for messages a Watermill producer wrote.
+		if string(h.Key) == kafka.UUIDHeaderKey {
+			continue
+		}
+		md.Set(string(h.Key), string(h.Value))
+	}
+	md.Set(MetaKafkaPartition, strconv.Itoa(int(km.Partition)))
+	md.Set(MetaKafkaOffset, strconv.FormatInt(km.Offset, 10))
+	md.Set(MetaKafkaKey, string(km.Key))
+	// Kafka coordinates name the delivery for logs; the dedup key is the payload's event_id.
+	msg := message.NewMessage(fmt.Sprintf("%s/%d/%d", km.Topic, km.Partition, km.Offset), km.Value)
+	msg.Metadata = md
+	return msg, nil
+}
+
+// sessions records, for each partition this process currently consumes, the
+// context of the consumer-group session that owns it. A message being handled
+// belongs to the registered session: sarama starts no new session on this
+// member before every ConsumeClaim of the old one has returned.
+type sessions struct {
+	mu     sync.Mutex
+	owners map[topicPartition]context.Context
+}
+
+type topicPartition struct {
+	topic     string
+	partition int32
+}
+
+func newSessions() *sessions { return &sessions{owners: map[topicPartition]context.Context{}} }
+
+// revoked implements idempotency.Config.PartitionRevoked.
+func (s *sessions) revoked(msg *message.Message) <-chan struct{} {
+	partition, ok := kafka.MessagePartitionFromCtx(msg.Context())
+	if !ok {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ctx := s.owners[topicPartition{message.SubscribeTopicFromCtx(msg.Context()), partition}]; ctx != nil {
+		return ctx.Done()
+	}
+	return nil
+}
+
+func (s *sessions) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
+	return trackingHandler{ConsumerGroupHandler: h, sessions: s}
+}
+func (s *sessions) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
+func (s *sessions) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
+	return pc
+}
+func (s *sessions) WrapSyncProducer(_ *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
+	return p
+}
+
+type trackingHandler struct {
+	sarama.ConsumerGroupHandler
+	sessions *sessions
+}
+
+func (t trackingHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	key := topicPartition{claim.Topic(), claim.Partition()}
+	owner := sess.Context()
+	t.sessions.mu.Lock()
+	t.sessions.owners[key] = owner
+	t.sessions.mu.Unlock()
+	defer func() {
+		t.sessions.mu.Lock()
+		if t.sessions.owners[key] == owner {
+			delete(t.sessions.owners, key)
+		}
+		t.sessions.mu.Unlock()
+	}()
+	return t.ConsumerGroupHandler.ConsumeClaim(sess, claim)
+}

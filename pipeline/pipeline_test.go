@@ -1,0 +1,368 @@
+package pipeline_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/pipeline"
+)
+
+const createEffects = `CREATE TABLE IF NOT EXISTS pipeline_test_effect (
+	event_id uuid NOT NULL, consumer_group text NOT NULL)`
+
+// recorder is a handler that writes one row per run through the claim's
+// transaction and counts its runs, per consumer group.
+type recorder struct {
+	group string
+	runs  atomic.Int64
+	fail  func(order.Confirmed) error
+}
+
+func (r *recorder) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+	r.runs.Add(1)
+	if r.fail != nil {
+		if err := r.fail(ev); err != nil {
+			return err
+		}
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group)
+	return err
+}
+
+// outcomes counts idempotency results per group and outcome.
+type outcomes struct {
+	mu sync.Mutex
+	n  map[string]map[idempotency.Outcome]int
+}
+
+func (o *outcomes) record(r idempotency.Result) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n == nil {
+		o.n = map[string]map[idempotency.Outcome]int{}
+	}
+	if o.n[r.ConsumerGroup] == nil {
+		o.n[r.ConsumerGroup] = map[idempotency.Outcome]int{}
+	}
+	o.n[r.ConsumerGroup][r.Outcome]++
+}
+
+func (o *outcomes) get(group string, outcome idempotency.Outcome) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.n[group][outcome]
+}
+
+type env struct {
+	pool    *pgxpool.Pool
+	brokers []string
+	topic   string
+	dlq     string
+	prod    sarama.SyncProducer
+}
+
+func newEnv(t *testing.T, partitions int32) *env {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	if _, err := pool.Exec(context.Background(), createEffects); err != nil {
+		t.Fatal(err)
+	}
+	brokers := testenv.Brokers(t)
+	return &env{
+		pool:    pool,
+		brokers: brokers,
+		topic:   testenv.Topic(t, brokers, partitions),
+		dlq:     testenv.Topic(t, brokers, 1),
+		prod:    testenv.Producer(t, brokers),
+	}
+}
+
+func (e *env) config(groups ...pipeline.Group) pipeline.Config {
+	return pipeline.Config{
+		Brokers:  e.brokers,
+		Topic:    e.topic,
+		DLQTopic: e.dlq,
+		Groups:   groups,
+		DB:       e.pool,
+		Logger:   slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	}
+}
+
+// run starts the pipeline and returns a function that stops it and waits.
+func run(t *testing.T, cfg pipeline.Config) (stop func()) {
+	t.Helper()
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	select {
+	case <-p.Running():
+	case err := <-done:
+		t.Fatalf("pipeline stopped at start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("pipeline did not start in 30s")
+	}
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("pipeline: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+func uniqueGroup(name string) string { return name + "-" + uuid.NewString()[:8] }
+
+func validEvent(t *testing.T, amount string) order.Confirmed {
+	t.Helper()
+	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.New(), uuid.New(), decimal.RequireFromString(amount), "EUR")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ev
+}
+
+func payload(t *testing.T, ev order.Confirmed) []byte {
+	t.Helper()
+	b, err := ev.MarshalJSON()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func effects(t *testing.T, pool *pgxpool.Pool, group string) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM pipeline_test_effect WHERE consumer_group = $1`, group).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// The same event arrives five times, on different partitions (a producer
+// re-publishing it with another key): each group runs its handler once.
+func TestSameEventFiveTimesRunsOncePerGroup(t *testing.T) {
+	e := newEnv(t, 3)
+	billing := &recorder{group: uniqueGroup("billing")}
+	analytics := &recorder{group: uniqueGroup("analytics")}
+	var seen outcomes
+	cfg := e.config(pipeline.Group{Name: billing.group, Handler: billing}, pipeline.Group{Name: analytics.group, Handler: analytics})
+	cfg.OnResult = seen.record
+	run(t, cfg)
+
+	ev := validEvent(t, "12.34")
+	for i := range 5 {
+		testenv.Publish(t, e.prod, e.topic, fmt.Sprintf("key-%d", i), payload(t, ev))
+	}
+	for _, r := range []*recorder{billing, analytics} {
+		testenv.Eventually(t, 60*time.Second, r.group+" saw all 5 deliveries", func() bool {
+			return seen.get(r.group, idempotency.Processed)+seen.get(r.group, idempotency.Duplicate) == 5
+		})
+		if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 || seen.get(r.group, idempotency.Duplicate) != 4 {
+			t.Fatalf("%s: %d runs, %d effects, %d duplicates; want 1, 1, 4",
+				r.group, r.runs.Load(), effects(t, e.pool, r.group), seen.get(r.group, idempotency.Duplicate))
+		}
+	}
+}
+
+// A crash after the database commit but before the offset commit: the
+// consumer stops without acknowledging a message it committed. On restart the
+// message is redelivered, found claimed, skipped, and its offset committed.
+func TestCrashBetweenDatabaseCommitAndOffsetCommit(t *testing.T) {
+	for _, mode := range []pipeline.CommitMode{pipeline.CommitSync, pipeline.CommitInterval} {
+		t.Run(string(mode), func(t *testing.T) {
+			e := newEnv(t, 1)
+			r := &recorder{group: uniqueGroup("billing")}
+			committed := make(chan struct{})
+			crashed := make(chan struct{})
+			cfg := e.config(pipeline.Group{Name: r.group, Handler: r})
+			cfg.CommitMode = mode
+			cfg.CloseTimeout = time.Second
+			cfg.OnResult = func(res idempotency.Result) {
+				if res.Outcome == idempotency.Processed {
+					close(committed)
+					<-crashed // never acknowledge while this consumer lives
+				}
+			}
+			stop := run(t, cfg)
+			testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "5.00")))
+			select {
+			case <-committed:
+			case <-time.After(60 * time.Second):
+				t.Fatal("the event was not processed")
+			}
+			stop()
+			close(crashed)
+			admin := testenv.Admin(t, e.brokers)
+			if off := testenv.CommittedOffsets(t, admin, r.group, e.topic)[0]; off > 0 {
+				t.Fatalf("offset %d was committed although the message was never acknowledged", off)
+			}
+
+			var seen outcomes
+			cfg.OnResult = seen.record
+			stop = run(t, cfg)
+			testenv.Eventually(t, 60*time.Second, "redelivery skipped as duplicate", func() bool {
+				return seen.get(r.group, idempotency.Duplicate) == 1
+			})
+			stop() // a clean stop commits what was acknowledged in either mode
+			if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 {
+				t.Fatalf("%d runs, %d effects; want 1 each", r.runs.Load(), effects(t, e.pool, r.group))
+			}
+			if off := testenv.CommittedOffsets(t, admin, r.group, e.topic)[0]; off != 1 {
+				t.Fatalf("committed offset %d after restart, want 1", off)
+			}
+		})
+	}
+}
+
+// Poison messages in the middle of a partition are dead-lettered with their
+// reason, and every valid message after them is processed. A message whose
+// handler keeps failing is retried a bounded number of times, then
+// dead-lettered too.
+func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
+	e := newEnv(t, 1)
+	broken := validEvent(t, "7.00")
+	r := &recorder{group: uniqueGroup("billing"), fail: func(ev order.Confirmed) error {
+		if ev.EventID() == broken.EventID() {
+			return errors.New("provider answered 503")
+		}
+		return nil
+	}}
+	var deadLetters atomic.Int64
+	cfg := e.config(pipeline.Group{Name: r.group, Handler: r})
+	cfg.MaxRetries = 2
+	cfg.RetryInitialInterval = 10 * time.Millisecond
+	cfg.OnDeadLetter = func(string, string) { deadLetters.Add(1) }
+	run(t, cfg)
+
+	first := validEvent(t, "1.00")
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, first))
+	for range 2 {
+		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	}
+	reused, err := order.NewConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"), "EUR")
+	if err != nil {
+		t.Fatal(err)
+	}
+	poison := map[string]string{
+		string(payload(t, reused)): "already processed with a different payload",
+		`{"event_id": "broken`: "not a JSON object",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"1.00","currency":"EUR"}`,
+			uuid.New(), uuid.New(), uuid.New()): "is not a UUIDv7",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-3.00","currency":"EUR"}`,
+			uuid.Must(uuid.NewV7()), uuid.New(), uuid.New()): "is not positive",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v2"}`, uuid.Must(uuid.NewV7())): `event_type "order.confirmed.v2"`,
+	}
+	for p := range poison {
+		testenv.Publish(t, e.prod, e.topic, "k", []byte(p))
+	}
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, broken))
+	for range 3 {
+		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	}
+
+	testenv.Eventually(t, 60*time.Second, "6 valid events processed", func() bool { return effects(t, e.pool, r.group) == 6 })
+	testenv.Eventually(t, 30*time.Second, "6 dead letters", func() bool { return deadLetters.Load() == 6 })
+
+	reasons := readDLQ(t, e.brokers, e.dlq, 6)
+	for p, want := range poison {
+		if got, ok := reasons[p]; !ok || !contains(got, want) {
+			t.Errorf("DLQ reason for %.40q = %q; want it to mention %q", p, got, want)
+		}
+	}
+	if got := reasons[string(payload(t, broken))]; !contains(got, "provider answered 503") {
+		t.Errorf("DLQ reason for the failing event = %q", got)
+	}
+	// 1 attempt + 2 retries for the failing event, 1 run for each of the 6 others.
+	if r.runs.Load() != 3+6 {
+		t.Errorf("handler ran %d times; want 9 (6 valid + 3 attempts of the failing one)", r.runs.Load())
+	}
+}
+
+func contains(s, sub string) bool { return sub != "" && strings.Contains(s, sub) }
+
+// readDLQ reads n messages from the dead-letter topic: payload to reason header.
+func readDLQ(t *testing.T, brokers []string, topic string, n int) map[string]string {
+	t.Helper()
+	c, err := sarama.NewConsumer(brokers, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	pc, err := c.ConsumePartition(topic, 0, sarama.OffsetOldest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	out := map[string]string{}
+	for len(out) < n {
+		select {
+		case m := <-pc.Messages():
+			for _, h := range m.Headers {
+				if string(h.Key) == middleware.ReasonForPoisonedKey {
+					out[string(m.Value)] = string(h.Value)
+				}
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("read %d of %d dead letters", len(out), n)
+		}
+	}
+	return out
+}
+
+// A consumer group created after events were published still processes them:
+// offsets start at the oldest message, not the newest.
+func TestNewGroupSeesEarlierEvents(t *testing.T) {
+	e := newEnv(t, 3)
+	for i := range 4 {
+		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, validEvent(t, "2.50")))
+	}
+	r := &recorder{group: uniqueGroup("late")}
+	run(t, e.config(pipeline.Group{Name: r.group, Handler: r}))
+	testenv.Eventually(t, 60*time.Second, "4 earlier events processed", func() bool { return effects(t, e.pool, r.group) == 4 })
+}
+
+func TestInvalidConfigIsRejected(t *testing.T) {
+	h := pipeline.HandlerFunc(func(context.Context, pgx.Tx, order.Confirmed) error { return nil })
+	base := pipeline.Config{Brokers: []string{"127.0.0.1:1"}, Topic: "t", DLQTopic: "d", DB: &pgxpool.Pool{}, Groups: []pipeline.Group{{Name: "g", Handler: h}}}
+	for name, mutate := range map[string]func(*pipeline.Config){
+		"old kafka version": func(c *pipeline.Config) { c.KafkaVersion = "0.11.0" },
+		"dlq equals topic":  func(c *pipeline.Config) { c.DLQTopic = c.Topic },
+		"duplicate group":   func(c *pipeline.Config) { c.Groups = append(c.Groups, c.Groups[0]) },
+		"bad commit mode":   func(c *pipeline.Config) { c.CommitMode = "sometimes" },
+		"no brokers":        func(c *pipeline.Config) { c.Brokers = nil },
+	} {
+		cfg := base
+		cfg.Groups = append([]pipeline.Group(nil), base.Groups...)
+		mutate(&cfg)
+		if _, err := pipeline.New(cfg); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
