@@ -8,5 +8,7 @@ trap stop_services EXIT
 start_services
 # Integration tests skip without these; under this script they must not.
 export ONCE_REQUIRE_SERVICES=1
+unformatted=$(gofmt -l .)
+if [[ -n $unformatted ]]; then echo "gofmt needed: $unformatted" >&2; exit 1; fi
 go vet ./...
 go test -count=1 -timeout 20m -p 1 ./... "$@"

@@ -145,7 +145,7 @@ func (c *Config) Validate() error {
 
 // Pipeline is a Watermill router with one handler per consumer group.
 type Pipeline struct {
-	router *message.Router
+	router  *message.Router
 	closers []func() error
 }
 

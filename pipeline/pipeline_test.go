@@ -272,7 +272,7 @@ func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
 	}
 	poison := map[string]string{
 		string(payload(t, reused)): "already processed with a different payload",
-		`{"event_id": "broken`: "not a JSON object",
+		`{"event_id": "broken`:     "not a JSON object",
 		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"1.00","currency":"EUR"}`,
 			uuid.New(), uuid.New(), uuid.New()): "is not a UUIDv7",
 		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-3.00","currency":"EUR"}`,
