@@ -49,6 +49,8 @@ type cli struct {
 
 	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
 	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
+
+	PaymentProvider paymentProviderCmd `cmd:"" name:"payment-provider" help:"Run the payment provider simulator (idempotency keys, ledger, fault injection)."`
 }
 
 // deps is what every subcommand receives.

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/once-dev/once/handlers/analytics"
+	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 )
@@ -15,16 +16,28 @@ type serveCmd struct {
 	Kafka kafkaSettings `embed:""`
 	DB    dbSettings    `embed:""`
 
-	Groups     []string      `name:"groups" env:"ONCE_GROUPS" default:"analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
+	Payment paymentSettings `embed:"" prefix:"payment-"`
+
+	Groups     []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
 	CommitMode string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
 	CommitInt  time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
 	MaxRetries int           `name:"max-retries" env:"ONCE_MAX_RETRIES" default:"5" help:"Retries of a failing message before it is dead-lettered."`
 	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
+
+	DedupRetention  time.Duration `name:"dedup-retention" env:"ONCE_DEDUP_RETENTION" default:"168h" help:"How long processed_event keeps a claim; redeliveries older than this are not recognised."`
+	DLQReplayWindow time.Duration `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
 }
 
 // handlers lists the consumer groups this binary can run.
-var handlers = map[string]pipeline.Handler{
-	"analytics": analytics.Handler{},
+var handlers = map[string]func(*serveCmd) (pipeline.Handler, error){
+	"analytics": func(*serveCmd) (pipeline.Handler, error) { return analytics.Handler{}, nil },
+	"billing": func(s *serveCmd) (pipeline.Handler, error) {
+		client, err := s.Payment.client()
+		if err != nil {
+			return nil, err
+		}
+		return billing.Handler{Payments: client}, nil
+	},
 }
 
 func groupNames() []string {
@@ -51,7 +64,28 @@ func (s *serveCmd) Validate() error {
 	if s.MaxRetries < 0 {
 		return fmt.Errorf("--max-retries (ONCE_MAX_RETRIES) must not be negative")
 	}
+	if s.DedupRetention <= 0 || s.DLQReplayWindow <= 0 {
+		return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION) and --dlq-replay-window (ONCE_DLQ_REPLAY_WINDOW) must be positive")
+	}
 	return nil
+}
+
+// warnAboutKeyRetention says where the provider's second lock is gone while
+// we may still deliver an event again. The claim protects every committed
+// event for --dedup-retention; the provider's key is what protects an event
+// whose charge happened but whose transaction rolled back (a reset after the
+// charge, then a crash or a dead letter). Replaying such a dead letter after
+// the provider forgot the key charges again.
+func (s *serveCmd) warnAboutKeyRetention(d deps) {
+	keys := s.Payment.KeyRetention
+	if s.DLQReplayWindow > keys {
+		d.log.Warn("dead letters may be replayed after the payment provider forgot their idempotency key: a charge whose transaction rolled back would be made again",
+			"dlq_replay_window", s.DLQReplayWindow, "payment_key_retention", keys)
+	}
+	if s.DedupRetention > keys {
+		d.log.Warn("processed_event keeps claims longer than the payment provider keeps keys: a redelivery between the two is stopped only by our claim, never by the provider",
+			"dedup_retention", s.DedupRetention, "payment_key_retention", keys)
+	}
 }
 
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
@@ -71,7 +105,14 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 
 	groups := make([]pipeline.Group, 0, len(s.Groups))
 	for _, g := range s.Groups {
-		groups = append(groups, pipeline.Group{Name: g, Handler: handlers[g]})
+		h, err := handlers[g](s)
+		if err != nil {
+			return err
+		}
+		groups = append(groups, pipeline.Group{Name: g, Handler: h})
+		if g == "billing" {
+			s.warnAboutKeyRetention(d)
+		}
 	}
 	maxRetries := s.MaxRetries
 	if maxRetries == 0 {

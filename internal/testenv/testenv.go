@@ -37,13 +37,21 @@ func need(t testing.TB, name string) string {
 var migrateOnce sync.Once
 var migrateErr error
 
-// Postgres returns a pool on the test database with every migration applied.
+// Postgres returns a new pool on the test database with every migration applied.
 func Postgres(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	url := need(t, "DATABASE_URL")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, url)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("DATABASE_URL: %v", err)
+	}
+	// A consumer holds a connection per partition in flight (its transaction
+	// spans the handler); pgx's default of 4 would starve tests that run
+	// several groups, or a provider simulator sharing the pool.
+	cfg.MaxConns = 20
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatalf("connect to DATABASE_URL: %v", err)
 	}

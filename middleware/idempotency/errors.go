@@ -43,6 +43,23 @@ func Permanent(err error) error {
 	return permanentError{err}
 }
 
+type rejectAfterCommit struct{ err error }
+
+func (e rejectAfterCommit) Error() string { return e.err.Error() }
+func (e rejectAfterCommit) Unwrap() error { return e.err }
+
+// RejectAfterCommit is returned by a handler that has recorded, through the
+// claim's transaction, that the event failed for good (a declined charge
+// marked failed). The middleware commits those writes with the claim and then
+// returns err marked [Permanent], so the router dead-letters the message, and
+// any later delivery of the event is a duplicate that changes nothing.
+func RejectAfterCommit(err error) error {
+	if err == nil {
+		return nil
+	}
+	return rejectAfterCommit{err}
+}
+
 // IsPermanent reports whether err, or an error it wraps, was marked by
 // [Permanent].
 func IsPermanent(err error) bool {
@@ -50,34 +67,57 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// isOutage reports whether err says the database could not be reached or the
+// outage marks an error that means the database could not be reached or the
 // connection broke, as opposed to the database refusing this message's work.
 // An outage is never a reason to give up on a message.
+type outage struct{ error }
+
+func (o outage) Unwrap() error { return o.error }
+
 func isOutage(err error) bool {
-	if err == nil {
-		return false
-	}
-	var marked outage
+	var o outage
+	return errors.As(err, &o)
+}
+
+// connectionFailed classifies an error of one of the middleware's own
+// database calls (begin, claim, commit). Network errors count here because
+// pgx is the only thing these calls do; a handler's error is judged by
+// handlerHitOutage instead, since a handler's network error may well be an
+// HTTP call that failed on its own.
+func connectionFailed(err error) bool {
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
-	var pgErr *pgconn.PgError
 	switch {
-	case errors.As(err, &marked), errors.As(err, &connectErr), errors.As(err, &netErr),
-		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+	case errors.As(err, &connectErr), errors.As(err, &netErr),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		serverUnavailable(err):
 		return true
-	case errors.As(err, &pgErr):
-		switch {
-		case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08": // connection_exception
-			return true
-		case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin/crash shutdown, cannot connect now
-			return true
-		case pgErr.Code == "53300": // too_many_connections
-			return true
-		}
-		return false
 	}
 	// Not sent at all (the connection was already gone): safe to call an outage.
 	return pgconn.SafeToRetry(err)
+}
+
+// handlerHitOutage reports whether a handler failed because the database went
+// away under it: pgx closes a connection whose network failed, and the server
+// reports shutdowns with SQLSTATE codes.
+func handlerHitOutage(err error, connClosed bool) bool {
+	return connClosed || serverUnavailable(err)
+}
+
+func serverUnavailable(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch {
+	case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08": // connection_exception
+		return true
+	case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin/crash shutdown, cannot connect now
+		return true
+	case pgErr.Code == "53300": // too_many_connections
+		return true
+	}
+	return false
 }
 
 // isSerializationFailure reports the errors a transaction gets when it lost a
@@ -86,4 +126,13 @@ func isOutage(err error) bool {
 func isSerializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
+}
+
+// ownCallFailed marks an error of the middleware's own database call as an
+// outage when it is one.
+func ownCallFailed(err error) error {
+	if connectionFailed(err) {
+		return outage{err}
+	}
+	return err
 }

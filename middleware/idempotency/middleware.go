@@ -137,6 +137,9 @@ const (
 	Failed
 	// Abandoned: the database was unreachable until shutdown or revocation; nothing was written.
 	Abandoned
+	// Rejected: the handler recorded a permanent failure with [RejectAfterCommit];
+	// its writes and the claim committed, and the error is returned.
+	Rejected
 )
 
 func (o Outcome) String() string {
@@ -151,6 +154,8 @@ func (o Outcome) String() string {
 		return "failed"
 	case Abandoned:
 		return "abandoned"
+	case Rejected:
+		return "rejected"
 	}
 	return fmt.Sprintf("Outcome(%d)", int(o))
 }
@@ -224,6 +229,9 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				wait = min(2*wait, m.cfg.OutageMaxBackoff)
 				continue
 			}
+			if outcome == Rejected {
+				m.log(msg, slog.LevelWarn, "rejected for good; recorded and committed", key, "err", err)
+			}
 			if outcome == PayloadMismatch {
 				m.log(msg, slog.LevelError, "event id reused with a different payload", key, "err", err)
 			}
@@ -243,29 +251,23 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	msgCtx := msg.Context()
 	tx, err := m.cfg.DB.BeginTx(msgCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
 	if err != nil {
-		return 0, nil, fmt.Errorf("idempotency: begin transaction: %w", err)
+		return 0, nil, ownCallFailed(fmt.Errorf("idempotency: begin transaction: %w", err))
 	}
 	done := false
 	defer func() {
 		if !done {
 			m.rollback(msgCtx, tx)
 		}
-		// A handler error caused by a dead connection is an outage, not the
-		// message's fault, whatever the handler wrapped it in.
-		if err != nil && !isOutage(err) && tx.Conn().IsClosed() {
-			err = fmt.Errorf("%w (connection lost)", err)
-			err = outage{err}
-		}
 	}()
 
 	tag, err := tx.Exec(msgCtx, claimSQL, key, m.cfg.ConsumerGroup, sum)
 	if err != nil {
-		return 0, nil, fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+		return 0, nil, ownCallFailed(fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
 	}
 	if tag.RowsAffected() == 0 {
 		var stored []byte
 		if err := tx.QueryRow(msgCtx, storedHashSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
-			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+			return 0, nil, ownCallFailed(fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
 		}
 		if !bytes.Equal(stored, sum) {
 			return PayloadMismatch, nil, Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
@@ -278,7 +280,12 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		defer msg.SetContext(msgCtx) // the transaction must not outlive this attempt
 		return h(msg)
 	}()
-	if err != nil {
+	var rejected rejectAfterCommit
+	isRejection := errors.As(err, &rejected)
+	if err != nil && !isRejection {
+		if handlerHitOutage(err, tx.Conn().IsClosed()) {
+			return Failed, nil, outage{fmt.Errorf("%w (database connection lost)", err)}
+		}
 		return Failed, nil, err
 	}
 
@@ -289,15 +296,13 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		// Whether a commit that lost its connection took effect is unknown;
 		// either way the next attempt decides correctly: it finds the claim
 		// (skip) or does not (process).
-		return Failed, nil, fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+		return Failed, nil, ownCallFailed(fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err))
+	}
+	if isRejection {
+		return Rejected, nil, Permanent(rejected.err)
 	}
 	return Processed, produced, nil
 }
-
-// outage marks an error as an outage for isOutage's callers.
-type outage struct{ error }
-
-func (o outage) Unwrap() error { return o.error }
 
 func (m *Middleware) finishContext(msgCtx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(msgCtx), m.cfg.FinishTimeout)

@@ -441,3 +441,54 @@ func TestOutageGivesUpOnRevocationAndShutdown(t *testing.T) {
 		t.Fatalf("got %v; want the message context's error, not permanent", err)
 	}
 }
+
+// A handler that records a permanent failure keeps that record and the claim,
+// and the error still reaches the router; a redelivery is a duplicate.
+func TestRejectAfterCommitKeepsTheRecordAndReportsTheError(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	var runs atomic.Int64
+	inner := recordEffect(group, &runs)
+	declined := errors.New("card declined")
+	var outcomes []idempotency.Outcome
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
+		OnResult: func(r idempotency.Result) { outcomes = append(outcomes, r.Outcome) }})
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if _, err := inner(msg); err != nil {
+			return nil, err
+		}
+		return nil, idempotency.RejectAfterCommit(declined)
+	})
+	_, err := h(msg.Copy())
+	if !errors.Is(err, declined) || !idempotency.IsPermanent(err) {
+		t.Fatalf("got %v; want the permanent rejection", err)
+	}
+	if _, err := h(msg.Copy()); err != nil {
+		t.Fatalf("redelivery: %v", err)
+	}
+	if claims(t, pool, id, group) != 1 || effects(t, pool, id, group) != 1 || runs.Load() != 1 {
+		t.Fatal("want the failure record and the claim kept, and the handler run once")
+	}
+	if fmt.Sprint(outcomes) != fmt.Sprint([]idempotency.Outcome{idempotency.Rejected, idempotency.Duplicate}) {
+		t.Fatalf("outcomes %v", outcomes)
+	}
+}
+
+// A handler's own network error (an HTTP call to a payment provider) is the
+// message's failure, returned for the retry budget, not a database outage to
+// wait out forever.
+func TestHandlerNetworkErrorIsNotAnOutage(t *testing.T) {
+	pool := setup(t)
+	var res idempotency.Result
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"),
+		OnResult: func(r idempotency.Result) { res = r }})
+	_, msg := newEvent(t)
+	netErr := &net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")}
+	_, err := m.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, fmt.Errorf("charge: %w", netErr)
+	})(msg)
+	if !errors.Is(err, netErr) || res.Outcome != idempotency.Failed || res.OutageWaits != 0 {
+		t.Fatalf("got %v, result %+v; want the handler's error returned at once", err, res)
+	}
+}

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/payment"
+)
+
+// paymentSettings configure billing's client of the payment provider.
+type paymentSettings struct {
+	URL          string        `name:"url" env:"PAYMENT_URL" default:"http://127.0.0.1:18080" help:"Base URL of the payment provider."`
+	APIKey       string        `name:"api-key" env:"PAYMENT_API_KEY" default:"acct_once" help:"Merchant account (bearer token); the provider scopes idempotency keys to it."`
+	Timeout      time.Duration `name:"timeout" env:"PAYMENT_TIMEOUT" default:"5s" help:"Timeout of one charge request."`
+	Attempts     int           `name:"attempts" env:"PAYMENT_ATTEMPTS" default:"5" help:"Attempts per charge (same idempotency key) before the message's own retry takes over."`
+	KeyRetention time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long the provider keeps idempotency keys (Stripe: 24h)."`
+}
+
+func (p *paymentSettings) client() (*payment.Client, error) {
+	c, err := payment.NewClient(payment.ClientConfig{BaseURL: p.URL, APIKey: p.APIKey, RequestTimeout: p.Timeout, MaxAttempts: p.Attempts})
+	if err != nil {
+		return nil, fmt.Errorf("--payment-url (PAYMENT_URL) or its options: %w", err)
+	}
+	return c, nil
+}
+
+func (p *paymentSettings) Validate() error {
+	if p.Timeout <= 0 || p.Attempts < 1 || p.KeyRetention <= 0 {
+		return errors.New("--payment-timeout and --payment-key-retention must be positive, --payment-attempts at least 1")
+	}
+	_, err := p.client()
+	return err
+}
+
+type paymentProviderCmd struct {
+	DB dbSettings `embed:""`
+
+	Listen          string        `name:"listen" env:"PAYMENT_LISTEN" default:"127.0.0.1:18080" help:"Address to serve the simulator on."`
+	KeyRetention    time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long idempotency keys are remembered."`
+	InFlightTimeout time.Duration `name:"in-flight-timeout" env:"PAYMENT_IN_FLIGHT_TIMEOUT" default:"30s" help:"After this, a key whose request never finished is given to the next request."`
+	DeclineAbove    string        `name:"decline-above" env:"PAYMENT_DECLINE_ABOVE" default:"10000" help:"Amounts above this are declined (402 card_declined)."`
+	ResetRate       float64       `name:"fault-reset-rate" env:"PAYMENT_FAULT_RESET_RATE" default:"0" help:"Share of charges answered by dropping the connection after charging."`
+	Error5xxRate    float64       `name:"fault-5xx-rate" env:"PAYMENT_FAULT_5XX_RATE" default:"0" help:"Share of requests answered 503 before anything happens."`
+	StoredErrorRate float64       `name:"fault-stored-error-rate" env:"PAYMENT_FAULT_STORED_ERROR_RATE" default:"0" help:"Share of charges answered 500 and stored under the key (replayed on retry)."`
+	Latency         time.Duration `name:"fault-latency" env:"PAYMENT_FAULT_LATENCY" default:"0s" help:"Latency added to every executed charge."`
+	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
+}
+
+func (c *paymentProviderCmd) Validate() error {
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		return fmt.Errorf("--listen (PAYMENT_LISTEN): %w", err)
+	}
+	if _, err := decimal.NewFromString(c.DeclineAbove); err != nil {
+		return fmt.Errorf("--decline-above (PAYMENT_DECLINE_ABOVE): %q is not a decimal", c.DeclineAbove)
+	}
+	for name, r := range map[string]float64{"--fault-reset-rate": c.ResetRate, "--fault-5xx-rate": c.Error5xxRate, "--fault-stored-error-rate": c.StoredErrorRate} {
+		if r < 0 || r > 1 {
+			return fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
+		}
+	}
+	return nil
+}
+
+func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
+	pool, err := c.DB.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if c.Migrate {
+		if err := migrate(ctx, pool, d); err != nil {
+			return err
+		}
+	}
+	provider, err := payment.NewProvider(payment.ProviderConfig{
+		DB:              pool,
+		KeyRetention:    c.KeyRetention,
+		InFlightTimeout: c.InFlightTimeout,
+		DeclineAbove:    decimal.RequireFromString(c.DeclineAbove),
+		Faults: payment.Faults{
+			ResetAfterChargeRate: c.ResetRate,
+			Error5xxRate:         c.Error5xxRate,
+			StoredErrorRate:      c.StoredErrorRate,
+			Latency:              c.Latency,
+		},
+		Logger: d.log,
+	})
+	if err != nil {
+		return err
+	}
+	return serveHTTP(ctx, d, c.Listen, provider)
+}
+
+// serveHTTP serves h on addr until ctx ends, then shuts down gracefully.
+func serveHTTP(ctx context.Context, d deps, addr string, h http.Handler) error {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	d.log.Info("payment provider simulator listening", "addr", ln.Addr().String())
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	return srv.Shutdown(shutdownCtx)
+}

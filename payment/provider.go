@@ -1,0 +1,341 @@
+package payment
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/shopspring/decimal"
+)
+
+// Faults injected by the simulator. Rates are probabilities per request.
+type Faults struct {
+	// ResetAfterChargeRate: after charging and storing the answer, drop the
+	// connection instead of replying. The client sees a network error for a
+	// charge that happened; only a retry with the same key learns the result.
+	ResetAfterChargeRate float64
+	// Error5xxRate: answer 503 before doing anything (not stored, as a load
+	// balancer in front of a real provider would).
+	Error5xxRate float64
+	// StoredErrorRate: answer 500 from inside the charge and store that answer
+	// under the key, as Stripe does; retries with the key replay it.
+	StoredErrorRate float64
+	// Latency added to every charge the provider executes (replays are fast).
+	Latency time.Duration
+}
+
+// ProviderConfig configures a [Provider].
+type ProviderConfig struct {
+	// DB holds the simulator's state (schema payment_provider). Required.
+	DB *pgxpool.Pool
+	// KeyRetention is how long a key is remembered (Stripe: 24 hours). After
+	// that the same key charges again. Default 24h.
+	KeyRetention time.Duration
+	// InFlightTimeout: a key whose first request died half-way (the simulator
+	// crashed) is given to the next request after this long. Default 30s.
+	InFlightTimeout time.Duration
+	// DeclineAbove: amounts above it are declined with 402 card_declined.
+	// Default 10000.
+	DeclineAbove decimal.Decimal
+	Faults       Faults
+	Logger       *slog.Logger
+}
+
+// Provider is the payment provider simulator: an http.Handler with
+//
+//	POST /v1/charges   charge once per Idempotency-Key
+//	GET  /v1/charges   the account's ledger
+//	GET  /healthz
+//
+// The account is the bearer token of the Authorization header ("acct_default"
+// without one); keys and charges are scoped to it.
+type Provider struct {
+	cfg ProviderConfig
+	mux *http.ServeMux
+}
+
+// NewProvider returns the simulator. Its tables come from the migrations.
+func NewProvider(cfg ProviderConfig) (*Provider, error) {
+	if cfg.DB == nil {
+		return nil, errors.New("payment: ProviderConfig.DB is required")
+	}
+	if cfg.KeyRetention == 0 {
+		cfg.KeyRetention = 24 * time.Hour
+	}
+	if cfg.InFlightTimeout == 0 {
+		cfg.InFlightTimeout = 30 * time.Second
+	}
+	if cfg.DeclineAbove.IsZero() {
+		cfg.DeclineAbove = decimal.NewFromInt(10000)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	for name, r := range map[string]float64{"ResetAfterChargeRate": cfg.Faults.ResetAfterChargeRate,
+		"Error5xxRate": cfg.Faults.Error5xxRate, "StoredErrorRate": cfg.Faults.StoredErrorRate} {
+		if r < 0 || r > 1 {
+			return nil, fmt.Errorf("payment: Faults.%s %v is not in [0, 1]", name, r)
+		}
+	}
+	if cfg.KeyRetention < 0 || cfg.InFlightTimeout < 0 || cfg.Faults.Latency < 0 {
+		return nil, errors.New("payment: durations must not be negative")
+	}
+	p := &Provider{cfg: cfg, mux: http.NewServeMux()}
+	p.mux.HandleFunc("POST /v1/charges", p.charge)
+	p.mux.HandleFunc("GET /v1/charges", p.ledger)
+	p.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) })
+	return p, nil
+}
+
+func (p *Provider) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
+
+const (
+	expireKeySQL = `DELETE FROM payment_provider.idempotency_key
+WHERE account = $1 AND key = $2 AND created_at < now() - make_interval(secs => $3)`
+	claimKeySQL = `INSERT INTO payment_provider.idempotency_key (account, key, request_sha256, state)
+VALUES ($1, $2, $3, 'in_flight') ON CONFLICT (account, key) DO NOTHING`
+	takeOverKeySQL = `UPDATE payment_provider.idempotency_key SET locked_at = now()
+WHERE account = $1 AND key = $2 AND state = 'in_flight' AND request_sha256 = $3
+  AND locked_at < now() - make_interval(secs => $4)`
+	readKeySQL = `SELECT request_sha256, state, response_status, response_body
+FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2`
+	insertChargeSQL = `INSERT INTO payment_provider.charge (charge_id, account, idempotency_key, order_id, amount, currency)
+VALUES ($1, $2, $3, $4, $5, $6)`
+	storeAnswerSQL = `UPDATE payment_provider.idempotency_key
+SET state = 'done', response_status = $3, response_body = $4 WHERE account = $1 AND key = $2`
+	releaseKeySQL = `DELETE FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2 AND state = 'in_flight'`
+	ledgerSQL     = `SELECT charge_id, idempotency_key, order_id, amount, currency, created_at
+FROM payment_provider.charge WHERE account = $1 ORDER BY created_at, charge_id`
+)
+
+type problem struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func account(r *http.Request) string {
+	if token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok && token != "" {
+		return token
+	}
+	return "acct_default"
+}
+
+func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	acct := account(r)
+	key := r.Header.Get(HeaderIdempotencyKey)
+	if key == "" {
+		writeJSON(w, http.StatusBadRequest, problem{"idempotency_key_missing", "charges require an Idempotency-Key header"})
+		return
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+	if err != nil {
+		writeJSON(w, http.StatusBadRequest, problem{"bad_request", "cannot read body"})
+		return
+	}
+	if rand.Float64() < p.cfg.Faults.Error5xxRate {
+		writeJSON(w, http.StatusServiceUnavailable, problem{"unavailable", "injected fault: try again"})
+		return
+	}
+	sum := sha256.Sum256(body)
+
+	owned, err := p.claimKey(ctx, acct, key, sum[:])
+	if err != nil {
+		p.cfg.Logger.Error("payment provider: claim key", "err", err)
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
+		return
+	}
+	if !owned {
+		p.answerExisting(w, r, acct, key, sum[:])
+		return
+	}
+
+	// The latency is spent holding the key, as a slow provider would: a
+	// retry with the key meanwhile gets 409.
+	if d := p.cfg.Faults.Latency; d > 0 {
+		select {
+		case <-time.After(d):
+		case <-ctx.Done():
+			_, _ = p.cfg.DB.Exec(context.WithoutCancel(ctx), releaseKeySQL, acct, key)
+			return
+		}
+	}
+	status, answer, charged, err := p.execute(ctx, acct, key, body)
+	if err != nil {
+		p.cfg.Logger.Error("payment provider: execute charge", "err", err)
+		// Nothing was charged or stored: free the key for the retry.
+		_, _ = p.cfg.DB.Exec(context.WithoutCancel(ctx), releaseKeySQL, acct, key)
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
+		return
+	}
+	if charged && rand.Float64() < p.cfg.Faults.ResetAfterChargeRate {
+		dropConnection(w)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(answer)
+}
+
+// claimKey reports whether this request owns the key and must execute it.
+func (p *Provider) claimKey(ctx context.Context, acct, key string, sum []byte) (bool, error) {
+	if _, err := p.cfg.DB.Exec(ctx, expireKeySQL, acct, key, p.cfg.KeyRetention.Seconds()); err != nil {
+		return false, err
+	}
+	tag, err := p.cfg.DB.Exec(ctx, claimKeySQL, acct, key, sum)
+	if err != nil {
+		return false, err
+	}
+	if tag.RowsAffected() == 1 {
+		return true, nil
+	}
+	tag, err = p.cfg.DB.Exec(ctx, takeOverKeySQL, acct, key, sum, p.cfg.InFlightTimeout.Seconds())
+	return err == nil && tag.RowsAffected() == 1, err
+}
+
+func (p *Provider) answerExisting(w http.ResponseWriter, r *http.Request, acct, key string, sum []byte) {
+	var stored []byte
+	var state string
+	var status *int32
+	var answer []byte
+	err := p.cfg.DB.QueryRow(r.Context(), readKeySQL, acct, key).Scan(&stored, &state, &status, &answer)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows): // expired between our two statements: the client retries
+		writeJSON(w, http.StatusConflict, problem{"request_in_progress", "retry"})
+	case err != nil:
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
+	case !bytes.Equal(stored, sum):
+		writeJSON(w, http.StatusUnprocessableEntity, problem{"idempotency_key_reused",
+			"this Idempotency-Key was used with a different request body"})
+	case state == "in_flight":
+		writeJSON(w, http.StatusConflict, problem{"request_in_progress",
+			"a request with this Idempotency-Key is still being processed"})
+	default:
+		w.Header().Set(HeaderReplayed, "true")
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(int(*status))
+		_, _ = w.Write(answer)
+	}
+}
+
+// execute validates and charges in one transaction with storing the answer,
+// so a stored success always has its ledger row and vice versa.
+func (p *Provider) execute(ctx context.Context, acct, key string, body []byte) (status int, answer []byte, charged bool, err error) {
+	var req chargeBody
+	var amount decimal.Decimal
+	status = http.StatusOK
+	var resp any
+	switch {
+	case json.Unmarshal(body, &req) != nil:
+		status, resp = http.StatusBadRequest, problem{"bad_request", "body is not a charge"}
+	case req.OrderID == "" || len(req.Currency) != 3:
+		status, resp = http.StatusBadRequest, problem{"bad_request", "order_id and a 3-letter currency are required"}
+	default:
+		if amount, err = decimal.NewFromString(req.Amount); err != nil || !amount.IsPositive() || amount.Exponent() < -2 {
+			status, resp = http.StatusBadRequest, problem{"invalid_amount", fmt.Sprintf("amount %q is not a positive decimal with at most 2 fraction digits", req.Amount)}
+		} else if amount.GreaterThan(p.cfg.DeclineAbove) {
+			status, resp = http.StatusPaymentRequired, problem{"card_declined", "the card was declined"}
+		} else if rand.Float64() < p.cfg.Faults.StoredErrorRate {
+			status, resp = http.StatusInternalServerError, problem{"processing_error", "injected fault, stored under this key"}
+		}
+	}
+	err = pgx.BeginFunc(ctx, p.cfg.DB, func(tx pgx.Tx) error {
+		if status == http.StatusOK {
+			id := "ch_" + strings.ReplaceAll(uuid.Must(uuid.NewV7()).String(), "-", "")
+			if _, err := tx.Exec(ctx, insertChargeSQL, id, acct, key, req.OrderID, amount, req.Currency); err != nil {
+				return err
+			}
+			resp = Charge{ID: id, OrderID: req.OrderID, Amount: amount.StringFixed(2), Currency: req.Currency, Status: "succeeded"}
+		}
+		var err error
+		if answer, err = json.Marshal(resp); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, storeAnswerSQL, acct, key, status, answer)
+		return err
+	})
+	return status, answer, err == nil && status == http.StatusOK, err
+}
+
+// dropConnection closes the TCP connection without an answer, with a reset
+// rather than an orderly close where the platform allows.
+func dropConnection(w http.ResponseWriter) {
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		panic(http.ErrAbortHandler)
+	}
+	conn, _, err := hj.Hijack()
+	if err != nil {
+		panic(http.ErrAbortHandler)
+	}
+	if tcp, ok := conn.(*net.TCPConn); ok {
+		_ = tcp.SetLinger(0)
+	}
+	_ = conn.Close()
+}
+
+// LedgerEntry is one charge in the ledger.
+type LedgerEntry struct {
+	ChargeID       string    `json:"charge_id"`
+	IdempotencyKey string    `json:"idempotency_key"`
+	OrderID        string    `json:"order_id"`
+	Amount         string    `json:"amount"`
+	Currency       string    `json:"currency"`
+	CreatedAt      time.Time `json:"created_at"`
+}
+
+// Ledger is the answer of GET /v1/charges.
+type Ledger struct {
+	Charges []LedgerEntry     `json:"charges"`
+	Count   int               `json:"count"`
+	Totals  map[string]string `json:"totals"` // per currency
+}
+
+func (p *Provider) ledger(w http.ResponseWriter, r *http.Request) {
+	rows, err := p.cfg.DB.Query(r.Context(), ledgerSQL, account(r))
+	if err != nil {
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
+		return
+	}
+	l := Ledger{Charges: []LedgerEntry{}, Totals: map[string]string{}}
+	totals := map[string]decimal.Decimal{}
+	for rows.Next() {
+		var e LedgerEntry
+		var amount decimal.Decimal
+		if err := rows.Scan(&e.ChargeID, &e.IdempotencyKey, &e.OrderID, &amount, &e.Currency, &e.CreatedAt); err != nil {
+			writeJSON(w, http.StatusInternalServerError, problem{"internal", err.Error()})
+			return
+		}
+		e.Amount = amount.StringFixed(2)
+		totals[e.Currency] = totals[e.Currency].Add(amount)
+		l.Charges = append(l.Charges, e)
+	}
+	if rows.Err() != nil {
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", rows.Err().Error()})
+		return
+	}
+	l.Count = len(l.Charges)
+	for c, t := range totals {
+		l.Totals[c] = t.StringFixed(2)
+	}
+	writeJSON(w, http.StatusOK, l)
+}
