@@ -37,6 +37,9 @@ func (f HandlerFunc) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) 
 type Group struct {
 	Name    string
 	Handler Handler
+	// TooOld is the group's policy for events beyond Config.MaxEventAge.
+	// Default: idempotency.RejectTooOld.
+	TooOld idempotency.TooOldPolicy
 }
 
 // Config configures a [Pipeline]. Optional fields have working zero values.
@@ -64,6 +67,12 @@ type Config struct {
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
+
+	// MaxEventAge is the dedup horizon (the claim retention minus
+	// MaxClockSkew); MaxClockSkew bounds ids from the future. 0 disables each.
+	// See idempotency.Config.
+	MaxEventAge  time.Duration
+	MaxClockSkew time.Duration
 
 	// OnResult receives the idempotency outcome of every message of every group.
 	OnResult func(idempotency.Result)
@@ -201,6 +210,9 @@ func (p *Pipeline) addGroup(cfg Config, g Group, dlq message.Publisher, wlog wat
 		DB:               cfg.DB,
 		ConsumerGroup:    g.Name,
 		PartitionRevoked: owners.revoked,
+		MaxEventAge:      cfg.MaxEventAge,
+		MaxClockSkew:     cfg.MaxClockSkew,
+		TooOld:           g.TooOld,
 		OnResult:         cfg.OnResult,
 		Logger:           cfg.Logger,
 		LogAttrs:         kafkaLogAttrs,

@@ -50,6 +50,9 @@ type cli struct {
 	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
 	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
 
+	Maintain       maintainCmd       `cmd:"" help:"Run one retention pass over processed_event (create partitions ahead, drop or delete expired claims) and exit."`
+	BenchRetention benchRetentionCmd `cmd:"" name:"bench-retention" help:"Measure dropping a day's partition vs deleting its rows, and UUIDv7 vs UUIDv4 claim inserts."`
+
 	PaymentProvider paymentProviderCmd `cmd:"" name:"payment-provider" help:"Run the payment provider simulator (idempotency keys, ledger, fault injection)."`
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/retention"
 )
 
 type serveCmd struct {
@@ -24,8 +25,11 @@ type serveCmd struct {
 	MaxRetries int           `name:"max-retries" env:"ONCE_MAX_RETRIES" default:"5" help:"Retries of a failing message before it is dead-lettered."`
 	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
-	DedupRetention  time.Duration `name:"dedup-retention" env:"ONCE_DEDUP_RETENTION" default:"168h" help:"How long processed_event keeps a claim; redeliveries older than this are not recognised."`
-	DLQReplayWindow time.Duration `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
+	Retention           retentionSettings `embed:""`
+	MaintenanceInterval time.Duration     `name:"maintenance-interval" env:"ONCE_MAINTENANCE_INTERVAL" default:"10m" help:"How often this process runs a retention pass (0 to leave it to app maintain)."`
+	MaxClockSkew        time.Duration     `name:"max-clock-skew" env:"ONCE_MAX_CLOCK_SKEW" default:"5m" help:"Events whose id lies further in the future are dead-lettered."`
+	TooOld              map[string]string `name:"too-old" env:"ONCE_TOO_OLD" default:"billing=reject;analytics=reject" mapsep:";" help:"Per group, what to do with an event older than the dedup horizon: reject (dead-letter) or process."`
+	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
 }
 
 // handlers lists the consumer groups this binary can run.
@@ -64,8 +68,19 @@ func (s *serveCmd) Validate() error {
 	if s.MaxRetries < 0 {
 		return fmt.Errorf("--max-retries (ONCE_MAX_RETRIES) must not be negative")
 	}
-	if s.DedupRetention <= 0 || s.DLQReplayWindow <= 0 {
-		return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION) and --dlq-replay-window (ONCE_DLQ_REPLAY_WINDOW) must be positive")
+	if s.DLQReplayWindow <= 0 || s.MaintenanceInterval < 0 || s.MaxClockSkew <= 0 {
+		return fmt.Errorf("--dlq-replay-window and --max-clock-skew must be positive, --maintenance-interval not negative")
+	}
+	if s.MaxClockSkew >= s.Retention.Retention {
+		return fmt.Errorf("--max-clock-skew (ONCE_MAX_CLOCK_SKEW) must be well below --dedup-retention")
+	}
+	for g, p := range s.TooOld {
+		if handlers[g] == nil {
+			return fmt.Errorf("--too-old (ONCE_TOO_OLD): unknown group %q", g)
+		}
+		if p != string(idempotency.RejectTooOld) && p != string(idempotency.ProcessTooOld) {
+			return fmt.Errorf("--too-old (ONCE_TOO_OLD): group %s: policy %q, want reject or process", g, p)
+		}
 	}
 	return nil
 }
@@ -82,9 +97,9 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 		d.log.Warn("dead letters may be replayed after the payment provider forgot their idempotency key: a charge whose transaction rolled back would be made again",
 			"dlq_replay_window", s.DLQReplayWindow, "payment_key_retention", keys)
 	}
-	if s.DedupRetention > keys {
+	if s.Retention.Retention > keys {
 		d.log.Warn("processed_event keeps claims longer than the payment provider keeps keys: a redelivery between the two is stopped only by our claim, never by the provider",
-			"dedup_retention", s.DedupRetention, "payment_key_retention", keys)
+			"dedup_retention", s.Retention.Retention, "payment_key_retention", keys)
 	}
 }
 
@@ -109,7 +124,11 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		if err != nil {
 			return err
 		}
-		groups = append(groups, pipeline.Group{Name: g, Handler: h})
+		policy := idempotency.RejectTooOld
+		if p, ok := s.TooOld[g]; ok {
+			policy = idempotency.TooOldPolicy(p)
+		}
+		groups = append(groups, pipeline.Group{Name: g, Handler: h, TooOld: policy})
 		if g == "billing" {
 			s.warnAboutKeyRetention(d)
 		}
@@ -124,6 +143,8 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		Topic:          s.Kafka.Topic,
 		DLQTopic:       s.Kafka.DLQTopic,
 		Groups:         groups,
+		MaxEventAge:    s.Retention.Retention - s.MaxClockSkew,
+		MaxClockSkew:   s.MaxClockSkew,
 		DB:             pool,
 		CommitMode:     pipeline.CommitMode(s.CommitMode),
 		CommitInterval: s.CommitInt,
@@ -138,6 +159,16 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	})
 	if err != nil {
 		return err
+	}
+	// One pass before consuming, so today's partitions exist; no claim ever
+	// waits for one, but claims in the default partition are the slower path.
+	rcfg := s.Retention.config(d)
+	rcfg.DB = pool
+	if _, err := retention.Run(ctx, rcfg); err != nil {
+		return err
+	}
+	if s.MaintenanceInterval > 0 {
+		go retention.Loop(ctx, rcfg, s.MaintenanceInterval)
 	}
 	go func() {
 		<-p.Running()

@@ -22,6 +22,15 @@ var (
 	// side, not a duplicate. It is permanent and the handler is not run.
 	ErrPayloadMismatch = errors.New("idempotency: event id already processed with a different payload")
 
+	// ErrTooOld means the event is older than the dedup horizon
+	// (Config.MaxEventAge) and the policy is to reject it: its claim may
+	// already be gone, so processing it could repeat an effect.
+	ErrTooOld = errors.New("idempotency: event older than the dedup horizon")
+
+	// ErrFromTheFuture means the event's id lies further ahead than
+	// Config.MaxClockSkew: the producer's clock is wrong.
+	ErrFromTheFuture = errors.New("idempotency: event id lies in the future beyond the clock skew bound")
+
 	// ErrRevoked means the middleware stopped waiting for the database because
 	// the message's partition was revoked; the message was not processed and
 	// its new owner will receive it again.

@@ -73,6 +73,21 @@ type Config struct {
 	// a rebalance is not blocked by a message that cannot be processed here.
 	PartitionRevoked func(msg *message.Message) <-chan struct{}
 
+	// MaxEventAge is the dedup horizon: claims older than the retention of
+	// processed_event may be gone, so a redelivery of an event whose id is
+	// older than MaxEventAge could run again. TooOld decides what happens to
+	// such an event. Set it to the retention minus MaxClockSkew. 0 disables.
+	MaxEventAge time.Duration
+	// TooOld is the policy for events beyond MaxEventAge. Default
+	// [RejectTooOld], the only safe choice for money.
+	TooOld TooOldPolicy
+	// MaxClockSkew rejects events whose id lies further in the future than
+	// this: a producer clock that far ahead would put the claim in a range
+	// that ages out late and breaks the horizon arithmetic. 0 disables.
+	MaxClockSkew time.Duration
+	// Now is the clock of the horizon checks. Default time.Now.
+	Now func() time.Time
+
 	// OnResult, if set, is called once per message with what happened to it.
 	OnResult func(Result)
 
@@ -106,7 +121,25 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.TooOld == "" {
+		c.TooOld = RejectTooOld
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
 }
+
+// TooOldPolicy says what to do with an event older than the dedup horizon.
+type TooOldPolicy string
+
+const (
+	// RejectTooOld fails the event with a permanent [ErrTooOld]: it is
+	// dead-lettered with the reason, for a person to decide.
+	RejectTooOld TooOldPolicy = "reject"
+	// ProcessTooOld claims and processes it as usual, accepting that it may
+	// have been processed before (for effects where a rare double is cheap).
+	ProcessTooOld TooOldPolicy = "process"
+)
 
 // Validate reports the first missing or impossible setting.
 func (c Config) Validate() error {
@@ -119,6 +152,10 @@ func (c Config) Validate() error {
 		return errors.New("idempotency: Config.SerializationRetries must not be negative")
 	case c.FinishTimeout < 0, c.OutageBackoff < 0, c.OutageMaxBackoff < c.OutageBackoff:
 		return errors.New("idempotency: timeouts must be positive and OutageMaxBackoff >= OutageBackoff")
+	case c.MaxEventAge < 0, c.MaxClockSkew < 0:
+		return errors.New("idempotency: MaxEventAge and MaxClockSkew must not be negative")
+	case c.TooOld != RejectTooOld && c.TooOld != ProcessTooOld:
+		return fmt.Errorf("idempotency: TooOld %q: want %q or %q", c.TooOld, RejectTooOld, ProcessTooOld)
 	}
 	return nil
 }
@@ -140,6 +177,9 @@ const (
 	// Rejected: the handler recorded a permanent failure with [RejectAfterCommit];
 	// its writes and the claim committed, and the error is returned.
 	Rejected
+	// OutsideHorizon: the event's id is older than MaxEventAge (policy
+	// reject) or further ahead than MaxClockSkew; nothing was written.
+	OutsideHorizon
 )
 
 func (o Outcome) String() string {
@@ -156,6 +196,8 @@ func (o Outcome) String() string {
 		return "abandoned"
 	case Rejected:
 		return "rejected"
+	case OutsideHorizon:
+		return "outside_horizon"
 	}
 	return fmt.Sprintf("Outcome(%d)", int(o))
 }
@@ -207,6 +249,10 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		res.EventID = key
+		if err := m.checkHorizon(key); err != nil {
+			report(OutsideHorizon, err)
+			return nil, err
+		}
 		sum := sha256.Sum256(msg.Payload)
 
 		wait := m.cfg.OutageBackoff
@@ -242,6 +288,28 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 	}
+}
+
+// checkHorizon applies MaxEventAge and MaxClockSkew to the time in the id.
+func (m *Middleware) checkHorizon(key uuid.UUID) error {
+	if m.cfg.MaxEventAge == 0 && m.cfg.MaxClockSkew == 0 {
+		return nil
+	}
+	now := m.cfg.Now()
+	at := uuidV7Time(key)
+	if m.cfg.MaxClockSkew > 0 && at.After(now.Add(m.cfg.MaxClockSkew)) {
+		return Permanent(fmt.Errorf("%w: event %s is from %s, more than %s ahead", ErrFromTheFuture, key, at.Format(time.RFC3339), m.cfg.MaxClockSkew))
+	}
+	if m.cfg.MaxEventAge > 0 && m.cfg.TooOld == RejectTooOld && at.Before(now.Add(-m.cfg.MaxEventAge)) {
+		return Permanent(fmt.Errorf("%w: event %s is from %s, older than %s", ErrTooOld, key, at.Format(time.RFC3339), m.cfg.MaxEventAge))
+	}
+	return nil
+}
+
+// uuidV7Time is the Unix millisecond timestamp in a UUIDv7's first 48 bits.
+func uuidV7Time(id uuid.UUID) time.Time {
+	ms := int64(id[0])<<40 | int64(id[1])<<32 | int64(id[2])<<24 | int64(id[3])<<16 | int64(id[4])<<8 | int64(id[5])
+	return time.UnixMilli(ms)
 }
 
 // attempt runs one transaction: claim, then either skip or run the handler and

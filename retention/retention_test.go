@@ -1,0 +1,259 @@
+package retention_test
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/retention"
+)
+
+// Tests run maintenance on days of 2025, when no other test's claims exist,
+// and clean up the partitions they made.
+func setup(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	t.Cleanup(func() {
+		rows, _ := pool.Query(context.Background(), `SELECT relname FROM pg_class WHERE relname LIKE 'processed\_event\_p2025%' AND relkind = 'r'`)
+		names, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+		for _, n := range names {
+			_, _ = pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+pgx.Identifier{n}.Sanitize())
+		}
+	})
+	return pool
+}
+
+// v7At returns a valid UUIDv7 whose timestamp is t.
+func v7At(t time.Time) uuid.UUID {
+	id := retention.FirstIDAt(t)
+	_, _ = rand.Read(id[6:])
+	id[6] = 0x70 | id[6]&0x0f
+	id[8] = 0x80 | id[8]&0x3f
+	return id
+}
+
+func at(s string) time.Time {
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		panic(err)
+	}
+	return t
+}
+
+func run(t *testing.T, cfg retention.Config) retention.Report {
+	t.Helper()
+	rep, err := retention.Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rep
+}
+
+func partitionOf(t *testing.T, pool *pgxpool.Pool, id uuid.UUID, group string) string {
+	t.Helper()
+	var name string
+	if err := pool.QueryRow(context.Background(), `SELECT tableoid::regclass::text FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, id, group).Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// The trap the spec describes: the style guide partitions by processed_at,
+// which forces processed_at into the primary key, so two claims of one event
+// at two moments both insert. Ours partitions by event_id and they conflict.
+func TestPartitioningByProcessedAtBreaksDedupOursDoesNot(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	guide := "guide_processed_event_" + uuid.NewString()[:8]
+	ddl := fmt.Sprintf(`CREATE TABLE %[1]s (event_id uuid NOT NULL, consumer_group text NOT NULL,
+		processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group, processed_at))
+		PARTITION BY RANGE (processed_at);
+		CREATE TABLE %[1]s_all PARTITION OF %[1]s DEFAULT`, guide)
+	if _, err := pool.Exec(ctx, ddl); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(ctx, "DROP TABLE "+guide) })
+
+	id := uuid.Must(uuid.NewV7())
+	claimGuide := fmt.Sprintf(`INSERT INTO %s (event_id, consumer_group, processed_at) VALUES ($1, 'billing', $2) ON CONFLICT DO NOTHING`, guide)
+	claimOurs := `INSERT INTO processed_event (event_id, consumer_group, payload_sha256, processed_at) VALUES ($1, $2, '\x00', $3) ON CONFLICT DO NOTHING`
+	group := "trap-" + uuid.NewString()[:8]
+	var guideInserted, oursInserted int64
+	for _, moment := range []time.Time{time.Now(), time.Now().Add(3 * time.Hour)} {
+		tag, err := pool.Exec(ctx, claimGuide, id, moment)
+		if err != nil {
+			t.Fatal(err)
+		}
+		guideInserted += tag.RowsAffected()
+		tag, err = pool.Exec(ctx, claimOurs, id, group, moment)
+		if err != nil {
+			t.Fatal(err)
+		}
+		oursInserted += tag.RowsAffected()
+	}
+	if guideInserted != 2 {
+		t.Fatalf("the guide's DDL inserted %d claims; the trap is that it inserts 2", guideInserted)
+	}
+	if oursInserted != 1 {
+		t.Fatalf("our schema inserted %d claims for one event, want 1", oursInserted)
+	}
+}
+
+// An event claimed a second before midnight lands in its day's partition.
+// Redeliveries after midnight, and up to the retention, find the claim; once
+// the partition is dropped, the horizon check refuses the event instead of
+// running it again.
+func TestDuplicatesDetectedAcrossMidnightUpToRetention(t *testing.T) {
+	pool := setup(t)
+	group := "midnight-" + uuid.NewString()[:8]
+	const keep = 7 * 24 * time.Hour
+	day := at("2025-03-10T00:00:00Z")
+	cfg := retention.Config{DB: pool, Retention: keep}
+
+	cfg.Now = func() time.Time { return at("2025-03-10T23:00:00Z") }
+	if rep := run(t, cfg); len(rep.Created) != 3 {
+		t.Fatalf("created %v; want today and 2 days ahead", rep.Created)
+	}
+
+	id := v7At(at("2025-03-10T23:59:59.500Z"))
+	msg := message.NewMessage("m", []byte(fmt.Sprintf(`{"event_id":%q}`, id)))
+	runs := 0
+	deliver := func(now string, policy idempotency.TooOldPolicy) (idempotency.Outcome, error) {
+		t.Helper()
+		var out idempotency.Outcome
+		m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: keep, TooOld: policy,
+			Now: func() time.Time { return at(now) }, OnResult: func(r idempotency.Result) { out = r.Outcome }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = m.Middleware(func(*message.Message) ([]*message.Message, error) { runs++; return nil, nil })(msg.Copy())
+		return out, err
+	}
+
+	if out, err := deliver("2025-03-10T23:59:59.600Z", idempotency.RejectTooOld); err != nil || out != idempotency.Processed {
+		t.Fatalf("first delivery: %v %v", out, err)
+	}
+	if p := partitionOf(t, pool, id, group); p != retention.PartitionName(day) {
+		t.Fatalf("claim in %s, want %s", p, retention.PartitionName(day))
+	}
+	for _, now := range []string{"2025-03-11T00:00:01Z", "2025-03-12T08:00:00Z", "2025-03-17T22:59:00Z"} {
+		cfg.Now = func() time.Time { return at(now) }
+		if rep := run(t, cfg); len(rep.Dropped) != 0 {
+			t.Fatalf("at %s dropped %v within the retention", now, rep.Dropped)
+		}
+		if out, err := deliver(now, idempotency.RejectTooOld); err != nil || out != idempotency.Duplicate {
+			t.Fatalf("redelivery at %s: %v %v; want duplicate", now, out, err)
+		}
+	}
+
+	// The whole of 2025-03-10 is older than 7 days from 03-18 00:00:01 on.
+	cfg.Now = func() time.Time { return at("2025-03-18T00:00:01Z") }
+	rep := run(t, cfg)
+	if fmt.Sprint(rep.Dropped) != fmt.Sprintf("[%s]", retention.PartitionName(day)) {
+		t.Fatalf("dropped %v; want exactly the partition of 2025-03-10", rep.Dropped)
+	}
+	if _, err := deliver("2025-03-18T00:00:02Z", idempotency.RejectTooOld); !errors.Is(err, idempotency.ErrTooOld) || !idempotency.IsPermanent(err) {
+		t.Fatalf("past the horizon: %v; want a permanent ErrTooOld", err)
+	}
+	if runs != 1 {
+		t.Fatalf("handler ran %d times, want 1", runs)
+	}
+	if out, err := deliver("2025-03-18T00:00:02Z", idempotency.ProcessTooOld); err != nil || out != idempotency.Processed || runs != 2 {
+		t.Fatalf("policy process: %v %v runs=%d; want it processed again, knowingly", out, err, runs)
+	}
+}
+
+func TestEventsFromTheFutureAreRefused(t *testing.T) {
+	pool := setup(t)
+	now := at("2025-05-01T12:00:00Z")
+	m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: "future-" + uuid.NewString()[:8],
+		MaxClockSkew: time.Minute, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage("m", []byte(fmt.Sprintf(`{"event_id":%q}`, v7At(now.Add(2*time.Minute)))))
+	if _, err := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg); !errors.Is(err, idempotency.ErrFromTheFuture) {
+		t.Fatalf("got %v, want ErrFromTheFuture", err)
+	}
+}
+
+// Several instances maintaining at once: one works, the rest see the lock
+// held; a second round changes nothing.
+func TestConcurrentMaintenanceIsSafeAndIdempotent(t *testing.T) {
+	setup(t)
+	now := func() time.Time { return at("2025-06-01T10:00:00Z") }
+	var wg sync.WaitGroup
+	reports := make(chan retention.Report, 6)
+	for range 6 {
+		pool := testenv.Postgres(t) // one pool per instance
+		wg.Go(func() {
+			rep, err := retention.Run(context.Background(), retention.Config{DB: pool, Now: now})
+			if err != nil {
+				t.Error(err)
+			}
+			reports <- rep
+		})
+	}
+	wg.Wait()
+	close(reports)
+	created := 0
+	for rep := range reports {
+		created += len(rep.Created)
+	}
+	if created != 3 {
+		t.Fatalf("%d partitions created by the instances together, want 3", created)
+	}
+	if rep := run(t, retention.Config{DB: testenv.Postgres(t), Now: now}); len(rep.Created)+len(rep.Dropped) != 0 || rep.Busy {
+		t.Fatalf("second round %+v; want nothing to do", rep)
+	}
+}
+
+// Delete mode: expired claims in the default partition go in bounded batches;
+// a day that already has claims in the default partition gets no partition
+// (switching from delete to partitioned mode needs no migration).
+func TestDeleteModeAndSwitchingModes(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	group := "delete-" + uuid.NewString()[:8]
+	rows := make([][]any, 12345)
+	for i := range rows {
+		rows[i] = []any{v7At(at("2025-01-05T10:00:00Z").Add(time.Duration(i) * time.Second)), group, []byte{0}}
+	}
+	if _, err := pool.CopyFrom(ctx, pgx.Identifier{"processed_event_default"}, []string{"event_id", "consumer_group", "payload_sha256"}, pgx.CopyFromRows(rows)); err != nil {
+		t.Fatal(err)
+	}
+	fresh := v7At(at("2025-01-14T10:00:00Z"))
+	if _, err := pool.Exec(ctx, `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, '\x00')`, fresh, group); err != nil {
+		t.Fatal(err)
+	}
+
+	// Partitioned mode on 01-14 cannot create that day's partition: the
+	// default partition already holds a claim of it.
+	rep := run(t, retention.Config{DB: pool, Now: func() time.Time { return at("2025-01-14T12:00:00Z") }, Retention: 30 * 24 * time.Hour})
+	if fmt.Sprint(rep.Skipped) != "[processed_event_p20250114]" || len(rep.Created) != 2 {
+		t.Fatalf("report %+v; want 01-14 skipped, 01-15 and 01-16 created", rep)
+	}
+
+	rep = run(t, retention.Config{DB: pool, Mode: retention.Delete, BatchSize: 1000, Now: func() time.Time { return at("2025-01-14T12:00:00Z") }})
+	if rep.Deleted < 12345 || len(rep.Created) != 0 {
+		t.Fatalf("report %+v; want the 12,345 expired claims deleted and nothing created", rep)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, group).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 1 {
+		t.Fatalf("%d claims left, want 1 (the one within the retention)", left)
+	}
+}
