@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -63,8 +64,24 @@ type ProviderConfig struct {
 // The account is the bearer token of the Authorization header ("acct_default"
 // without one); keys and charges are scoped to it.
 type Provider struct {
-	cfg ProviderConfig
-	mux *http.ServeMux
+	cfg   ProviderConfig
+	mux   *http.ServeMux
+	stats struct{ charges, replays, resets, errors5xx, storedErrors atomic.Int64 }
+}
+
+// Stats counts what a [Provider] did since it was created.
+type Stats struct {
+	Charges      int64 // charges executed (each one a ledger row)
+	Replays      int64 // answers replayed from a stored key
+	Resets       int64 // connections dropped after charging
+	Errors5xx    int64 // injected 503s
+	StoredErrors int64 // injected 500s stored under their key
+}
+
+// Stats returns the counters.
+func (p *Provider) Stats() Stats {
+	return Stats{Charges: p.stats.charges.Load(), Replays: p.stats.replays.Load(), Resets: p.stats.resets.Load(),
+		Errors5xx: p.stats.errors5xx.Load(), StoredErrors: p.stats.storedErrors.Load()}
 }
 
 // NewProvider returns the simulator. Its tables come from the migrations.
@@ -153,6 +170,7 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if rand.Float64() < p.cfg.Faults.Error5xxRate {
+		p.stats.errors5xx.Add(1)
 		writeJSON(w, http.StatusServiceUnavailable, problem{"unavailable", "injected fault: try again"})
 		return
 	}
@@ -187,7 +205,14 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
 		return
 	}
+	if charged {
+		p.stats.charges.Add(1)
+	}
+	if status == http.StatusInternalServerError {
+		p.stats.storedErrors.Add(1)
+	}
 	if charged && rand.Float64() < p.cfg.Faults.ResetAfterChargeRate {
+		p.stats.resets.Add(1)
 		dropConnection(w)
 		return
 	}
@@ -230,6 +255,7 @@ func (p *Provider) answerExisting(w http.ResponseWriter, r *http.Request, acct, 
 		writeJSON(w, http.StatusConflict, problem{"request_in_progress",
 			"a request with this Idempotency-Key is still being processed"})
 	default:
+		p.stats.replays.Add(1)
 		w.Header().Set(HeaderReplayed, "true")
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(int(*status))

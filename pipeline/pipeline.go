@@ -76,6 +76,8 @@ type Config struct {
 
 	// OnResult receives the idempotency outcome of every message of every group.
 	OnResult func(idempotency.Result)
+	// OnDelivered is called for every message a group's handler chain receives.
+	OnDelivered func(group string)
 	// OnDeadLetter is called after a message was published to the dead-letter topic.
 	OnDeadLetter func(group, reason string)
 
@@ -233,7 +235,16 @@ func (p *Pipeline) addGroup(cfg Config, g Group, dlq message.Publisher, wlog wat
 	}
 
 	h := p.router.AddConsumerHandler(g.Name, cfg.Topic, sub, adapt(g.Handler))
+	delivered := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if cfg.OnDelivered != nil {
+				cfg.OnDelivered(g.Name)
+			}
+			return h(msg)
+		}
+	}
 	h.AddMiddleware(
+		delivered,
 		releaseRevoked,
 		middleware.CorrelationID,
 		poison,

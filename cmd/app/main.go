@@ -17,6 +17,7 @@ import (
 
 	"github.com/alecthomas/kong"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/pipeline"
 )
 
@@ -53,6 +54,9 @@ type cli struct {
 	Maintain       maintainCmd       `cmd:"" help:"Run one retention pass over processed_event (create partitions ahead, drop or delete expired claims) and exit."`
 	BenchRetention benchRetentionCmd `cmd:"" name:"bench-retention" help:"Measure dropping a day's partition vs deleting its rows, and UUIDv7 vs UUIDv4 claim inserts."`
 
+	Orders          ordersCmd          `cmd:"" help:"Run the order service: POST /v1/orders writes the order and its event (outbox), a forwarder moves events to Kafka."`
+	Demo            demoCmd            `cmd:"" help:"Run the whole system in one process with duplicates from every source, and check every order was charged and counted exactly once."`
+	DLQ             dlqCmd             `cmd:"" name:"dlq" help:"Dead-letter topic tools."`
 	PaymentProvider paymentProviderCmd `cmd:"" name:"payment-provider" help:"Run the payment provider simulator (idempotency keys, ledger, fault injection)."`
 }
 
@@ -72,7 +76,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		kong.Writers(stdout, stderr),
 		kong.UsageOnError(),
 		kong.ConfigureHelp(kong.HelpOptions{Compact: true}),
-		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "groups": strings.Join(groupNames(), ", ")},
+		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "dlq_group": dlq.DefaultGroup, "groups": strings.Join(groupNames(), ", ")},
 		kong.Exit(func(code int) { exited = true; panic(exitCode(code)) }),
 	)
 	if err != nil {

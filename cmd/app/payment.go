@@ -94,11 +94,11 @@ func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
-	return serveHTTP(ctx, d, c.Listen, provider)
+	return serveHTTP(ctx, d, "payment provider simulator", c.Listen, provider)
 }
 
 // serveHTTP serves h on addr until ctx ends, then shuts down gracefully.
-func serveHTTP(ctx context.Context, d deps, addr string, h http.Handler) error {
+func serveHTTP(ctx context.Context, d deps, name, addr string, h http.Handler) error {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", addr, err)
@@ -106,7 +106,7 @@ func serveHTTP(ctx context.Context, d deps, addr string, h http.Handler) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	d.log.Info("payment provider simulator listening", "addr", ln.Addr().String())
+	d.log.Info(name+" listening", "addr", ln.Addr().String())
 	select {
 	case err := <-errc:
 		return err

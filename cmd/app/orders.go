@@ -1,0 +1,100 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/google/uuid"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/orders"
+	"github.com/once-dev/once/pipeline"
+)
+
+type ordersCmd struct {
+	Kafka  kafkaSettings `embed:""`
+	DB     dbSettings    `embed:""`
+	Listen string        `name:"listen" env:"ORDERS_LISTEN" default:"127.0.0.1:18081" help:"Address of the order API (POST /v1/orders)."`
+}
+
+func (c *ordersCmd) Validate() error {
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		return fmt.Errorf("--listen (ORDERS_LISTEN): %w", err)
+	}
+	return nil
+}
+
+// Run serves POST /v1/orders {"customer_id","amount","currency"} and forwards
+// the outbox to Kafka until stopped.
+func (c *ordersCmd) Run(ctx context.Context, d deps) error {
+	pool, err := c.DB.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := migrate(ctx, pool, d); err != nil {
+		return err
+	}
+	if err := c.Kafka.ensureTopics(ctx); err != nil {
+		return fmt.Errorf("KAFKA_BROKERS: %w", err)
+	}
+	svc, err := orders.NewService(orders.Config{DB: pool, Topic: c.Kafka.Topic, Logger: d.log})
+	if err != nil {
+		return err
+	}
+	if err := svc.Init(ctx); err != nil {
+		return err
+	}
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: c.Kafka.Brokers, Marshaler: orders.KafkaMarshaler(),
+		OverwriteSaramaConfig: pipeline.PublisherSaramaConfig(c.Kafka.version)}, nil)
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+	fw, err := svc.NewForwarder(pub)
+	if err != nil {
+		return err
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- fw.Run(ctx) }()
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/orders", func(w http.ResponseWriter, r *http.Request) {
+		var body struct {
+			CustomerID string `json:"customer_id"`
+			Amount     string `json:"amount"`
+			Currency   string `json:"currency"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			http.Error(w, "body: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		customer, err1 := uuid.Parse(body.CustomerID)
+		amount, err2 := decimal.NewFromString(body.Amount)
+		if err := errors.Join(err1, err2); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		ev, err := svc.Confirm(r.Context(), orders.ConfirmRequest{CustomerID: customer, Amount: amount, Currency: body.Currency})
+		if errors.Is(err, order.ErrInvalid) {
+			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
+			return
+		}
+		if err != nil {
+			d.log.Error("confirm order", "err", err)
+			http.Error(w, "could not confirm the order", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_ = json.NewEncoder(w).Encode(ev)
+	})
+	httpErr := serveHTTP(ctx, d, "order API", c.Listen, mux)
+	return errors.Join(httpErr, <-errc)
+}

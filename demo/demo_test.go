@@ -1,0 +1,33 @@
+package demo_test
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/once-dev/once/demo"
+	"github.com/once-dev/once/internal/testenv"
+)
+
+// The demo, small: it must end in PASS with duplicates actually delivered
+// and skipped in both groups, and the provider must have dropped connections
+// after charging (so the second lock was exercised).
+func TestDemoPasses(t *testing.T) {
+	s, err := demo.Run(context.Background(), demo.Config{
+		DB: testenv.Postgres(t), ProviderDB: testenv.Postgres(t), Brokers: testenv.Brokers(t),
+		Orders: 400, DeclineShare: 0.02, ResetRate: 0.1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	s.Print(&out)
+	t.Log("\n" + out.String())
+	if !s.Pass() || !strings.Contains(out.String(), "PASS") {
+		t.Fatal("the demo failed its checks")
+	}
+	if s.Billing.Duplicates == 0 || s.Analytics.Duplicates == 0 || s.ProviderStats.Resets == 0 || s.Declined == 0 {
+		t.Fatalf("the run did not exercise every source of duplicates: %+v", s)
+	}
+}

@@ -1,0 +1,208 @@
+// Package dlq replays dead-lettered messages to the topic they came from.
+// A replay is itself a source of duplicates (every consumer group sees the
+// message again, including those that processed it): the consumers' dedup is
+// what makes it safe. Replay progress is a Kafka consumer group of its own, so
+// each dead letter is replayed once, and a replay stops at the end offsets it
+// saw when it started: a message that fails again is dead-lettered again, not
+// replayed in a loop.
+package dlq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+)
+
+// DefaultGroup keeps the replay progress.
+const DefaultGroup = "once-dlq-replay"
+
+// HeaderReplayedFrom names the dead letter a replayed message came from.
+const HeaderReplayedFrom = "dlq_replayed_from"
+
+// Config configures [Replay].
+type Config struct {
+	Brokers []string
+	// Sarama is the producer configuration (and carries the Kafka version).
+	Sarama   *sarama.Config
+	DLQTopic string
+	// Topic receives dead letters that do not say where they came from.
+	Topic string
+	// Group keeps the replay progress. Default [DefaultGroup].
+	Group string
+	// MaxAge skips (and counts) dead letters older than this: for example
+	// beyond the payment provider's key retention, where a replayed charge
+	// whose transaction had rolled back would charge again. 0 replays all.
+	MaxAge time.Duration
+	// Progress, if set, is called after each message.
+	Progress func(done, total int64)
+	Now      func() time.Time
+}
+
+// Report says what a replay did.
+type Report struct {
+	Replayed     int64
+	SkippedStale int64
+	ByTopic      map[string]int64
+}
+
+// headers that describe the failed delivery, not the event: not replayed.
+var dropped = map[string]bool{
+	kafka.UUIDHeaderKey:              true,
+	middleware.ReasonForPoisonedKey:  true,
+	middleware.PoisonedTopicKey:      true,
+	middleware.PoisonedHandlerKey:    true,
+	middleware.PoisonedSubscriberKey: true,
+	"kafka_partition":                true,
+	"kafka_offset":                   true,
+	"kafka_key":                      true,
+	HeaderReplayedFrom:               true,
+}
+
+// Replay republishes every dead letter not yet replayed, up to the end of the
+// DLQ topic as it was when Replay started.
+func Replay(ctx context.Context, cfg Config) (Report, error) {
+	if cfg.Group == "" {
+		cfg.Group = DefaultGroup
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if len(cfg.Brokers) == 0 || cfg.DLQTopic == "" || cfg.Topic == "" || cfg.Sarama == nil {
+		return Report{}, errors.New("dlq: Brokers, Sarama, DLQTopic and Topic are required")
+	}
+	// The producer gets a client of its own: an idempotent producer allows one
+	// request in flight per connection, and a shared connection would queue
+	// every send behind the consumer's long-polling fetches.
+	pc := *cfg.Sarama
+	pc.Producer.Return.Successes = true
+	producer, err := sarama.NewSyncProducer(cfg.Brokers, &pc)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: producer: %w", err)
+	}
+	defer producer.Close()
+	cc := sarama.NewConfig()
+	cc.Version = cfg.Sarama.Version
+	cc.ClientID = cfg.Sarama.ClientID
+	cc.Consumer.Offsets.Initial = sarama.OffsetOldest
+	client, err := sarama.NewClient(cfg.Brokers, cc)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: connect: %w", err)
+	}
+	defer client.Close()
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: consumer: %w", err)
+	}
+	defer consumer.Close()
+	offsets, err := sarama.NewOffsetManagerFromClient(cfg.Group, client)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: offsets of %s: %w", cfg.Group, err)
+	}
+	defer offsets.Close()
+
+	partitions, err := client.Partitions(cfg.DLQTopic)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: partitions of %s: %w", cfg.DLQTopic, err)
+	}
+	type span struct {
+		pom        sarama.PartitionOffsetManager
+		partition  int32
+		start, end int64
+	}
+	var spans []span
+	var total int64
+	for _, p := range partitions {
+		// Not closed one by one: a partition offset manager's Close waits for
+		// the next auto-commit tick; Commit and the manager's Close flush all.
+		pom, err := offsets.ManagePartition(cfg.DLQTopic, p)
+		if err != nil {
+			return Report{}, fmt.Errorf("dlq: offset of partition %d: %w", p, err)
+		}
+		start, _ := pom.NextOffset()
+		oldest, err := client.GetOffset(cfg.DLQTopic, p, sarama.OffsetOldest)
+		if err != nil {
+			return Report{}, err
+		}
+		end, err := client.GetOffset(cfg.DLQTopic, p, sarama.OffsetNewest)
+		if err != nil {
+			return Report{}, err
+		}
+		start = max(start, oldest)
+		if start < end {
+			spans = append(spans, span{pom, p, start, end})
+			total += end - start
+		}
+	}
+
+	rep := Report{ByTopic: map[string]int64{}}
+	var done int64
+	for _, s := range spans {
+		pc, err := consumer.ConsumePartition(cfg.DLQTopic, s.partition, s.start)
+		if err != nil {
+			return rep, fmt.Errorf("dlq: read partition %d: %w", s.partition, err)
+		}
+		for next := s.start; next < s.end; {
+			var m *sarama.ConsumerMessage
+			select {
+			case m = <-pc.Messages():
+			case <-ctx.Done():
+				pc.Close()
+				offsets.Commit()
+				return rep, ctx.Err()
+			}
+			if err := replayOne(cfg, producer, m, &rep); err != nil {
+				pc.Close()
+				offsets.Commit()
+				return rep, err
+			}
+			next = m.Offset + 1
+			s.pom.MarkOffset(next, "")
+			done++
+			if cfg.Progress != nil {
+				cfg.Progress(done, total)
+			}
+		}
+		pc.Close()
+	}
+	offsets.Commit()
+	return rep, nil
+}
+
+func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessage, rep *Report) error {
+	if cfg.MaxAge > 0 && cfg.Now().Sub(m.Timestamp) > cfg.MaxAge {
+		rep.SkippedStale++
+		return nil
+	}
+	topic := cfg.Topic
+	var key sarama.Encoder
+	var headers []sarama.RecordHeader
+	for _, h := range m.Headers {
+		switch string(h.Key) {
+		case middleware.PoisonedTopicKey:
+			if len(h.Value) > 0 {
+				topic = string(h.Value)
+			}
+		case "kafka_key":
+			if len(h.Value) > 0 {
+				key = sarama.ByteEncoder(h.Value)
+			}
+		}
+		if !dropped[string(h.Key)] {
+			headers = append(headers, *h)
+		}
+	}
+	headers = append(headers, sarama.RecordHeader{Key: []byte(HeaderReplayedFrom),
+		Value: []byte(m.Topic + "/" + strconv.Itoa(int(m.Partition)) + "/" + strconv.FormatInt(m.Offset, 10))})
+	if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: key, Value: sarama.ByteEncoder(m.Value), Headers: headers}); err != nil {
+		return fmt.Errorf("dlq: republish %s/%d/%d to %s: %w", m.Topic, m.Partition, m.Offset, topic, err)
+	}
+	rep.Replayed++
+	rep.ByTopic[topic]++
+	return nil
+}

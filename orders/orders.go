@@ -1,0 +1,173 @@
+package orders
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/order"
+)
+
+// DefaultOutboxTopic names the outbox (table watermill_orders_outbox).
+const DefaultOutboxTopic = "orders_outbox"
+
+// metaPartitionKey carries the order id from the outbox to the Kafka key.
+const metaPartitionKey = "partition_key"
+
+const insertOrderSQL = `INSERT INTO orders.orders (order_id, customer_id, amount, currency, confirmed_event_id)
+VALUES ($1, $2, $3, $4, $5)`
+
+// Config configures a [Service].
+type Config struct {
+	DB *pgxpool.Pool
+	// Topic is the Kafka topic the events are forwarded to.
+	Topic string
+	// OutboxTopic. Default [DefaultOutboxTopic].
+	OutboxTopic string
+	Logger      *slog.Logger
+	// Now is the clock of occurred_at and of the UUIDv7. Default time.Now.
+	Now func() time.Time
+}
+
+// Service confirms orders.
+type Service struct {
+	cfg  Config
+	wlog watermill.LoggerAdapter
+}
+
+// NewService validates cfg.
+func NewService(cfg Config) (*Service, error) {
+	if cfg.OutboxTopic == "" {
+		cfg.OutboxTopic = DefaultOutboxTopic
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.DB == nil || cfg.Topic == "" {
+		return nil, errors.New("orders: Config.DB and Config.Topic are required")
+	}
+	return &Service{cfg: cfg, wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})}, nil
+}
+
+// Init creates the outbox tables (watermill-sql's schema) if they are missing.
+// The publisher cannot do it: it writes inside the caller's transaction, where
+// DDL would commit implicitly.
+func (s *Service) Init(ctx context.Context) error {
+	sub, err := s.outboxSubscriber()
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	if err := sub.SubscribeInitialize(s.cfg.OutboxTopic); err != nil {
+		return fmt.Errorf("orders: create outbox: %w", err)
+	}
+	return nil
+}
+
+// ConfirmRequest is an order to confirm. A zero OrderID gets a fresh one.
+type ConfirmRequest struct {
+	OrderID    uuid.UUID
+	CustomerID uuid.UUID
+	Amount     decimal.Decimal
+	Currency   string
+}
+
+// Confirm confirms an order in its own transaction.
+func (s *Service) Confirm(ctx context.Context, req ConfirmRequest) (order.Confirmed, error) {
+	var ev order.Confirmed
+	err := pgx.BeginFunc(ctx, s.cfg.DB, func(tx pgx.Tx) error {
+		var err error
+		ev, err = s.ConfirmInTx(ctx, tx, req)
+		return err
+	})
+	return ev, err
+}
+
+// ConfirmInTx writes the order and its event into tx. Nothing reaches Kafka
+// unless tx commits.
+func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest) (order.Confirmed, error) {
+	if req.OrderID == uuid.Nil {
+		req.OrderID = uuid.Must(uuid.NewV7())
+	}
+	eventID, err := uuid.NewV7()
+	if err != nil {
+		return order.Confirmed{}, fmt.Errorf("orders: event id: %w", err)
+	}
+	ev, err := order.NewConfirmed(eventID, s.cfg.Now(), req.OrderID, req.CustomerID, req.Amount, req.Currency)
+	if err != nil {
+		return order.Confirmed{}, err
+	}
+	if _, err := tx.Exec(ctx, insertOrderSQL, ev.OrderID(), ev.CustomerID(), ev.Amount(), ev.Currency(), ev.EventID()); err != nil {
+		return order.Confirmed{}, fmt.Errorf("orders: insert order %s: %w", ev.OrderID(), err)
+	}
+	payload, err := ev.MarshalJSON()
+	if err != nil {
+		return order.Confirmed{}, err
+	}
+	outbox, err := watermillsql.NewPublisher(watermillsql.TxFromPgx(tx), watermillsql.PublisherConfig{
+		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{},
+	}, s.wlog)
+	if err != nil {
+		return order.Confirmed{}, fmt.Errorf("orders: outbox publisher: %w", err)
+	}
+	msg := message.NewMessage(ev.EventID().String(), payload)
+	msg.Metadata.Set(metaPartitionKey, ev.OrderID().String())
+	pub := forwarder.NewPublisher(outbox, forwarder.PublisherConfig{ForwarderTopic: s.cfg.OutboxTopic})
+	if err := pub.Publish(s.cfg.Topic, msg); err != nil {
+		return order.Confirmed{}, fmt.Errorf("orders: write outbox: %w", err)
+	}
+	return ev, nil
+}
+
+func (s *Service) outboxSubscriber() (*watermillsql.Subscriber, error) {
+	return watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(s.cfg.DB), watermillsql.SubscriberConfig{
+		ConsumerGroup:    "kafka_forwarder",
+		PollInterval:     50 * time.Millisecond,
+		SchemaAdapter:    watermillsql.DefaultPostgreSQLSchema{},
+		OffsetsAdapter:   watermillsql.DefaultPostgreSQLOffsetsAdapter{},
+		InitializeSchema: true,
+	}, s.wlog)
+}
+
+// KafkaMarshaler keys each Kafka message by its order id, so one order's
+// events stay in one partition and in order. The value is the event's JSON
+// as written to the outbox.
+func KafkaMarshaler() kafka.MarshalerUnmarshaler {
+	return kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
+		key := msg.Metadata.Get(metaPartitionKey)
+		if key == "" {
+			return "", fmt.Errorf("orders: message %s has no %s", msg.UUID, metaPartitionKey)
+		}
+		return key, nil
+	})
+}
+
+// NewForwarder moves outbox rows to Kafka through kafkaPublisher (see
+// [KafkaMarshaler]). A row is acknowledged only after Kafka acknowledged the
+// publish, so a crash in between publishes it again, with the same event id.
+func (s *Service) NewForwarder(kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
+	sub, err := s.outboxSubscriber()
+	if err != nil {
+		return nil, err
+	}
+	f, err := forwarder.NewForwarder(sub, kafkaPublisher, s.wlog, forwarder.Config{ForwarderTopic: s.cfg.OutboxTopic})
+	if err != nil {
+		return nil, fmt.Errorf("orders: forwarder: %w", err)
+	}
+	return f, nil
+}

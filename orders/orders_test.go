@@ -1,0 +1,223 @@
+package orders_test
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/orders"
+	"github.com/once-dev/once/pipeline"
+)
+
+type fixture struct {
+	svc     *orders.Service
+	brokers []string
+	topic   string
+}
+
+func setup(t *testing.T) *fixture {
+	t.Helper()
+	pool := testenv.Postgres(t)
+	brokers := testenv.Brokers(t)
+	topic := testenv.Topic(t, brokers, 3)
+	// An outbox of its own per test, so forwarders of other tests never see its rows.
+	svc, err := orders.NewService(orders.Config{DB: pool, Topic: topic, OutboxTopic: "outbox_" + uuid.NewString()[:8]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := svc.Init(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return &fixture{svc: svc, brokers: brokers, topic: topic}
+}
+
+func (f *fixture) kafkaPublisher(t *testing.T) message.Publisher {
+	t.Helper()
+	version, _ := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: f.brokers, Marshaler: orders.KafkaMarshaler(),
+		OverwriteSaramaConfig: pipeline.PublisherSaramaConfig(version)}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pub.Close() })
+	return pub
+}
+
+// runForwarder runs a forwarder until the returned stop is called.
+func (f *fixture) runForwarder(t *testing.T, pub message.Publisher) (stop func()) {
+	t.Helper()
+	fw, err := f.svc.NewForwarder(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = fw.Run(ctx); close(done) }()
+	<-fw.Running()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+type record struct {
+	key     string
+	eventID string
+	payload string
+}
+
+// readTopic reads the topic from the start until want messages arrived and
+// then for quiet more, so that extra messages would be seen too.
+func (f *fixture) readTopic(t *testing.T, want int, quiet time.Duration) []record {
+	t.Helper()
+	c, err := sarama.NewConsumer(f.brokers, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	partitions, err := c.Partitions(f.topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := make(chan *sarama.ConsumerMessage)
+	for _, p := range partitions {
+		pc, err := c.ConsumePartition(f.topic, p, sarama.OffsetOldest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pc.Close()
+		go func() {
+			for m := range pc.Messages() {
+				msgs <- m
+			}
+		}()
+	}
+	var out []record
+	deadline := time.After(60 * time.Second)
+	for {
+		wait := quiet
+		if len(out) < want {
+			wait = time.Minute
+		}
+		select {
+		case m := <-msgs:
+			var doc struct {
+				EventID string `json:"event_id"`
+			}
+			_ = json.Unmarshal(m.Value, &doc)
+			out = append(out, record{key: string(m.Key), eventID: doc.EventID, payload: string(m.Value)})
+		case <-time.After(wait):
+			return out
+		case <-deadline:
+			t.Fatalf("read %d of %d messages", len(out), want)
+		}
+	}
+}
+
+func req() orders.ConfirmRequest {
+	return orders.ConfirmRequest{CustomerID: uuid.New(), Amount: decimal.RequireFromString("12.30"), Currency: "EUR"}
+}
+
+func TestRolledBackOrderPublishesNothingCommittedOnePublishesOnce(t *testing.T) {
+	f := setup(t)
+	ctx := context.Background()
+	pool := testenv.Postgres(t)
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.ConfirmInTx(ctx, tx, req()); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	committed, err := f.svc.Confirm(ctx, req())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.runForwarder(t, f.kafkaPublisher(t))
+
+	got := f.readTopic(t, 1, 2*time.Second)
+	if len(got) != 1 || got[0].eventID != committed.EventID().String() || got[0].key != committed.OrderID().String() {
+		t.Fatalf("topic holds %+v; want only the committed event, keyed by its order id", got)
+	}
+}
+
+// publishThenHang publishes to Kafka and then never returns, as a forwarder
+// that crashed after Kafka acknowledged but before it acknowledged the row.
+type publishThenHang struct {
+	message.Publisher
+	published chan struct{}
+	release   chan struct{}
+}
+
+func (p publishThenHang) Publish(topic string, msgs ...*message.Message) error {
+	if err := p.Publisher.Publish(topic, msgs...); err != nil {
+		return err
+	}
+	close(p.published)
+	<-p.release
+	return context.Canceled
+}
+
+func TestForwarderRestartedBetweenPublishAndAckRepublishesTheSameEventID(t *testing.T) {
+	f := setup(t)
+	ev, err := f.svc.Confirm(context.Background(), req())
+	if err != nil {
+		t.Fatal(err)
+	}
+	hang := publishThenHang{Publisher: f.kafkaPublisher(t), published: make(chan struct{}), release: make(chan struct{})}
+	stop := f.runForwarder(t, hang)
+	select {
+	case <-hang.published:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the first forwarder did not publish")
+	}
+	go stop() // the router waits for the hanging handler until released
+	time.Sleep(200 * time.Millisecond)
+	close(hang.release)
+	stop()
+
+	f.runForwarder(t, f.kafkaPublisher(t))
+	got := f.readTopic(t, 2, 3*time.Second)
+	if len(got) != 2 {
+		t.Fatalf("topic holds %d messages, want 2 (the publish before the crash and its repeat)", len(got))
+	}
+	for _, r := range got {
+		if r.eventID != ev.EventID().String() || r.payload != got[0].payload || r.key != ev.OrderID().String() {
+			t.Fatalf("messages %+v; want the same event id, bytes and key twice", got)
+		}
+	}
+}
+
+func TestOrderRowAndEventShareTheTransaction(t *testing.T) {
+	f := setup(t)
+	ctx := context.Background()
+	pool := testenv.Postgres(t)
+	var ev interface{ EventID() uuid.UUID }
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		e, err := f.svc.ConfirmInTx(ctx, tx, req())
+		ev = e
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stored uuid.UUID
+	if err := pool.QueryRow(ctx, `SELECT confirmed_event_id FROM orders.orders WHERE confirmed_event_id = $1`, ev.EventID()).Scan(&stored); err != nil {
+		t.Fatalf("order row: %v", err)
+	}
+}
