@@ -4,6 +4,7 @@
 #
 #   dev/postgres.sh start   initdb once, start, wait, create the database, print its URL
 #   dev/postgres.sh stop    stop the cluster this script started
+#   dev/postgres.sh restart restart it (fast shutdown: every connection is cut)
 #   dev/postgres.sh status
 #
 # Settings: ONCE_PG_PORT (15432), ONCE_DEV_DIR (.dev in the repository).
@@ -87,9 +88,18 @@ stop() {
 	log "stopped"
 }
 
+restart() {
+	local bin
+	bin=$(bindir)
+	running_pid >/dev/null || { log "not running"; exit 1; }
+	as_owner "$bin/pg_ctl" -D "$data" -l "$pgdir/postgres.log" -m fast -w restart >/dev/null
+	log "restarted"
+}
+
 case ${1:-} in
 start) start ;;
+restart) restart ;;
 stop) stop ;;
 status) if pid=$(running_pid); then echo "running (pid $pid) at $url"; else echo "not running"; exit 1; fi ;;
-*) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+*) echo "usage: $0 start|stop|restart|status" >&2; exit 2 ;;
 esac

@@ -11,4 +11,7 @@ export ONCE_REQUIRE_SERVICES=1
 unformatted=$(gofmt -l .)
 if [[ -n $unformatted ]]; then echo "gofmt needed: $unformatted" >&2; exit 1; fi
 go vet ./...
+export ONCE_E2E_RESULTS=$ONCE_DEV/e2e-results.txt
+rm -f "$ONCE_E2E_RESULTS"
 go test -count=1 -timeout 20m -p 1 ./... "$@"
+if [[ -f $ONCE_E2E_RESULTS ]]; then echo; cat "$ONCE_E2E_RESULTS"; fi

@@ -14,6 +14,10 @@ import (
 // TypeConfirmedV1 is the event_type of [Confirmed] on the wire.
 const TypeConfirmedV1 = "order.confirmed.v1"
 
+// MaxPayloadBytes bounds a message: an order event is a few hundred bytes, and
+// a huge one is a producer bug that should not be decoded, stored or charged.
+const MaxPayloadBytes = 64 << 10
+
 // MaxFractionDigits bounds the amount's scale: charges are in minor units of
 // two-decimal currencies, and a third digit would be rounded somewhere.
 const MaxFractionDigits = 2
@@ -65,6 +69,9 @@ func NewConfirmed(eventID uuid.UUID, occurredAt time.Time, orderID, customerID u
 // Decode parses and validates one message payload. Every error wraps
 // [ErrInvalid] and names the offending field.
 func Decode(payload []byte) (Confirmed, error) {
+	if len(payload) > MaxPayloadBytes {
+		return Confirmed{}, fmt.Errorf("%w: payload of %d bytes exceeds the %d-byte limit", ErrInvalid, len(payload), MaxPayloadBytes)
+	}
 	var w wire
 	if err := json.Unmarshal(payload, &w); err != nil {
 		return Confirmed{}, fmt.Errorf("%w: not a JSON object: %v", ErrInvalid, err)

@@ -59,6 +59,10 @@ func TestDecodeRejectsWithTheFieldNamed(t *testing.T) {
 			t.Errorf("%s: got %v; want ErrInvalid mentioning %q", tc.name, err, tc.want)
 		}
 	}
+	huge := doc(map[string]string{"padding": strings.Repeat("x", order.MaxPayloadBytes)})
+	if _, err := order.Decode(huge); !errors.Is(err, order.ErrInvalid) || !strings.Contains(err.Error(), "limit") {
+		t.Errorf("huge payload: got %v", err)
+	}
 	if _, err := order.Decode([]byte("not json")); !errors.Is(err, order.ErrInvalid) {
 		t.Errorf("not json: got %v", err)
 	}

@@ -187,21 +187,19 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	// The latency is spent holding the key, as a slow provider would: a
-	// retry with the key meanwhile gets 409.
+	// Once a request owns its key, it runs to the end even if the client
+	// gave up (timed out, disconnected), as at a real provider: the result is
+	// stored for the client's retry with the same key. The latency is spent
+	// holding the key, so a retry meanwhile gets 409.
+	ctx = context.WithoutCancel(ctx)
 	if d := p.cfg.Faults.Latency; d > 0 {
-		select {
-		case <-time.After(d):
-		case <-ctx.Done():
-			_, _ = p.cfg.DB.Exec(context.WithoutCancel(ctx), releaseKeySQL, acct, key)
-			return
-		}
+		time.Sleep(d)
 	}
 	status, answer, charged, err := p.execute(ctx, acct, key, body)
 	if err != nil {
 		p.cfg.Logger.Error("payment provider: execute charge", "err", err)
 		// Nothing was charged or stored: free the key for the retry.
-		_, _ = p.cfg.DB.Exec(context.WithoutCancel(ctx), releaseKeySQL, acct, key)
+		_, _ = p.cfg.DB.Exec(ctx, releaseKeySQL, acct, key)
 		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
 		return
 	}

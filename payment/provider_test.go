@@ -276,15 +276,25 @@ func TestDeclineIsPermanentAndNotRetried(t *testing.T) {
 	}
 }
 
+// A slow provider outlasts the client's timeout. The provider finishes the
+// charge anyway and stores it; the client's retries with the same key see 409
+// while it is in flight, then the replayed charge.
 func TestSlowProviderTimesOutAndRetries(t *testing.T) {
 	pool := testenv.Postgres(t)
 	p := startProvider(t, pool, payment.ProviderConfig{Faults: payment.Faults{Latency: 200 * time.Millisecond}})
-	c := p.client(t, payment.ClientConfig{RequestTimeout: 50 * time.Millisecond, MaxAttempts: 2})
-	_, err := c.Charge(context.Background(), chargeReq("1.00"), uuid.Must(uuid.NewV7()).String())
-	if !errors.Is(err, context.DeadlineExceeded) || payment.IsPermanent(err) {
-		t.Fatalf("got %v; want a retryable timeout", err)
+	key, req := uuid.Must(uuid.NewV7()).String(), chargeReq("1.00")
+
+	_, err := p.client(t, payment.ClientConfig{RequestTimeout: 50 * time.Millisecond, MaxAttempts: 2}).Charge(context.Background(), req, key)
+	var perr *payment.Error
+	if !errors.As(err, &perr) || perr.StatusCode != http.StatusConflict || payment.IsPermanent(err) {
+		t.Fatalf("got %v; want a retryable 409 while the first attempt is still being processed", err)
 	}
-	if n := p.requests.Load(); n != 2 {
-		t.Fatalf("%d requests, want 2", n)
+	c := p.client(t, payment.ClientConfig{RequestTimeout: 50 * time.Millisecond, MaxAttempts: 20, InitialBackoff: 20 * time.Millisecond})
+	ch, err := c.Charge(context.Background(), req, key)
+	if err != nil || !ch.Replayed {
+		t.Fatalf("got %+v, %v; want the stored charge replayed", ch, err)
+	}
+	if l := ledger(t, c); l.Count != 1 {
+		t.Fatalf("ledger has %d charges, want 1", l.Count)
 	}
 }

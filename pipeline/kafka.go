@@ -51,6 +51,10 @@ func subscriberSaramaConfig(cfg Config) *sarama.Config {
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
 	c.Consumer.Offsets.AutoCommit.Enable = cfg.CommitMode == CommitInterval
 	c.Consumer.Offsets.AutoCommit.Interval = cfg.CommitInterval
+	if cfg.SessionTimeout > 0 {
+		c.Consumer.Group.Session.Timeout = cfg.SessionTimeout
+		c.Consumer.Group.Heartbeat.Interval = cfg.SessionTimeout / 3
+	}
 	return c
 }
 

@@ -64,6 +64,11 @@ type Config struct {
 	RetryInitialInterval time.Duration
 	RetryMaxInterval     time.Duration
 
+	// SessionTimeout of the consumer-group membership: how long the broker
+	// waits for a crashed member before giving its partitions to others.
+	// Default: sarama's 10s; the broker allows 6s at least.
+	SessionTimeout time.Duration
+
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration

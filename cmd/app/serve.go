@@ -3,7 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/once-dev/once/handlers/analytics"
@@ -24,6 +27,10 @@ type serveCmd struct {
 	CommitInt  time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
 	MaxRetries int           `name:"max-retries" env:"ONCE_MAX_RETRIES" default:"5" help:"Retries of a failing message before it is dead-lettered."`
 	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
+
+	GroupSuffix     string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
+	SessionTimeout  time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
+	KillAfterCommit int           `name:"e2e-kill-after-commit" env:"ONCE_E2E_KILL_AFTER_COMMIT" hidden:"" help:"Test hook: SIGKILL this process right after the n-th database commit, before its offset is acknowledged."`
 
 	Retention           retentionSettings `embed:""`
 	MaintenanceInterval time.Duration     `name:"maintenance-interval" env:"ONCE_MAINTENANCE_INTERVAL" default:"10m" help:"How often this process runs a retention pass (0 to leave it to app maintain)."`
@@ -71,6 +78,9 @@ func (s *serveCmd) Validate() error {
 	if s.DLQReplayWindow <= 0 || s.MaintenanceInterval < 0 || s.MaxClockSkew <= 0 {
 		return fmt.Errorf("--dlq-replay-window and --max-clock-skew must be positive, --maintenance-interval not negative")
 	}
+	if s.SessionTimeout < 6*time.Second {
+		return fmt.Errorf("--session-timeout (ONCE_SESSION_TIMEOUT) must be at least 6s (the broker's minimum), got %s", s.SessionTimeout)
+	}
 	if s.MaxClockSkew >= s.Retention.Retention {
 		return fmt.Errorf("--max-clock-skew (ONCE_MAX_CLOCK_SKEW) must be well below --dedup-retention")
 	}
@@ -83,6 +93,16 @@ func (s *serveCmd) Validate() error {
 		}
 	}
 	return nil
+}
+
+// killBetweenCommitAndAck is the e2e tests' crash: the transaction has
+// committed and the message is not acknowledged yet, so its offset is not
+// committed. A real SIGKILL, not an exit: nothing gets to clean up.
+func killBetweenCommitAndAck(d deps, r idempotency.Result) {
+	d.log.Warn("e2e: killing this process between the database commit and the offset commit",
+		"event_id", r.EventID, "consumer_group", r.ConsumerGroup)
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {} // the signal is on its way
 }
 
 // warnAboutKeyRetention says where the provider's second lock is gone while
@@ -128,11 +148,12 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		if p, ok := s.TooOld[g]; ok {
 			policy = idempotency.TooOldPolicy(p)
 		}
-		groups = append(groups, pipeline.Group{Name: g, Handler: h, TooOld: policy})
+		groups = append(groups, pipeline.Group{Name: g + s.GroupSuffix, Handler: h, TooOld: policy})
 		if g == "billing" {
 			s.warnAboutKeyRetention(d)
 		}
 	}
+	var commits atomic.Int64
 	maxRetries := s.MaxRetries
 	if maxRetries == 0 {
 		maxRetries = pipeline.NoRetries
@@ -150,8 +171,12 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		CommitInterval: s.CommitInt,
 		MaxRetries:     maxRetries,
 		Logger:         d.log,
+		SessionTimeout: s.SessionTimeout,
 		OnResult: func(r idempotency.Result) {
-			d.log.Debug("message", "outcome", r.Outcome, "event_id", r.EventID, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
+			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
+			if r.Outcome == idempotency.Processed && s.KillAfterCommit > 0 && commits.Add(1) == int64(s.KillAfterCommit) {
+				killBetweenCommitAndAck(d, r)
+			}
 		},
 		OnDeadLetter: func(group, reason string) {
 			d.log.Warn("dead-lettered", "consumer_group", group, "reason", reason)

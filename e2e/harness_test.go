@@ -1,0 +1,605 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/payment"
+)
+
+const (
+	billingGroup   = "billing"
+	analyticsGroup = "analytics"
+)
+
+// scenario is one isolated run: its own topics, consumer groups (a suffix on
+// the real names), merchant account at the provider, customers and events.
+type scenario struct {
+	t        *testing.T
+	name     string
+	pool     *pgxpool.Pool
+	brokers  []string
+	topic    string
+	dlq      string
+	suffix   string
+	account  string
+	producer sarama.SyncProducer
+	dir      string
+
+	providerURL string
+	provider    *proc
+
+	mu        sync.Mutex
+	events    []order.Confirmed
+	declined  []order.Confirmed // priced above the provider's decline limit
+	poison    [][]byte
+	customers []uuid.UUID
+	procs     []*proc
+	kills     int
+	restarts  int
+	rebal     int
+}
+
+func newScenario(t *testing.T, name string, partitions int32) *scenario {
+	t.Helper()
+	brokers := testenv.Brokers(t)
+	s := &scenario{
+		t:       t,
+		name:    name,
+		pool:    testenv.Postgres(t),
+		brokers: brokers,
+		topic:   testenv.Topic(t, brokers, partitions),
+		suffix:  ".e2e-" + uuid.NewString()[:8],
+		account: "acct_e2e_" + uuid.NewString()[:8],
+		dir:     t.TempDir(),
+	}
+	if keep := os.Getenv("ONCE_E2E_LOGS"); keep != "" {
+		// Logs survive the test there, for a person to read after a failure.
+		s.dir = filepath.Join(keep, strings.ReplaceAll(t.Name(), "/", "_"))
+		if err := os.MkdirAll(s.dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.dlq = s.topic + ".dlq"
+	admin := testenv.Admin(t, brokers)
+	if err := admin.CreateTopic(s.dlq, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+		t.Fatal(err)
+	}
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V4_3_1_0
+	cfg.Producer.Return.Successes = true
+	cfg.Producer.RequiredAcks = sarama.WaitForAll
+	cfg.Producer.MaxMessageBytes = 1 << 20
+	p, err := sarama.NewSyncProducer(brokers, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.producer = p
+	for range 20 {
+		s.customers = append(s.customers, uuid.New())
+	}
+	t.Cleanup(func() {
+		for _, pr := range s.procs {
+			pr.kill()
+		}
+		p.Close()
+	})
+	return s
+}
+
+func (s *scenario) group(name string) string { return name + s.suffix }
+
+// proc is one running app process.
+type proc struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+	err  error
+}
+
+func (s *scenario) start(name string, args ...string) *proc {
+	s.t.Helper()
+	return s.startEnv(name, nil, args...)
+}
+
+func (s *scenario) startEnv(name string, env []string, args ...string) *proc {
+	s.t.Helper()
+	logPath := filepath.Join(s.dir, fmt.Sprintf("%s-%d.log", name, time.Now().UnixNano()))
+	f, err := os.Create(logPath)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	cmd := exec.Command(appBinary, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.Env = append(os.Environ(), env...)
+	if err := cmd.Start(); err != nil {
+		s.t.Fatal(err)
+	}
+	p := &proc{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() { p.err = cmd.Wait(); f.Close(); close(p.done) }()
+	s.mu.Lock()
+	s.procs = append(s.procs, p)
+	s.mu.Unlock()
+	return p
+}
+
+func (p *proc) running() bool {
+	select {
+	case <-p.done:
+		return false
+	default:
+		return true
+	}
+}
+
+func (p *proc) kill() {
+	if p.running() {
+		_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.done
+	}
+}
+
+// stop sends SIGTERM and waits; it reports whether the process exited 0.
+func (p *proc) stop(t *testing.T) {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(45 * time.Second):
+		p.kill()
+		t.Errorf("%s did not stop within 45s of SIGTERM", p.name)
+		return
+	}
+	if p.err != nil {
+		t.Errorf("%s exited with %v after SIGTERM, want 0; log %s:\n%s", p.name, p.err, p.log, tail(p.log, 20))
+	}
+}
+
+func tail(path string, n int) string {
+	b, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// startProvider runs `app payment-provider` with the given fault flags and
+// waits until it answers. It reuses the address across restarts.
+func (s *scenario) startProvider(flags ...string) {
+	s.t.Helper()
+	if s.providerURL == "" {
+		s.providerURL = "http://" + freePort(s.t)
+	}
+	args := append([]string{"payment-provider", "--no-migrate", "--listen", strings.TrimPrefix(s.providerURL, "http://"),
+		"--in-flight-timeout", "3s", "--log-level", "warn"}, flags...)
+	s.provider = s.start("provider", args...)
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		resp, err := http.Get(s.providerURL + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			return
+		}
+		if !s.provider.running() {
+			s.t.Fatalf("provider exited: %s", tail(s.provider.log, 20))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	s.t.Fatal("provider did not answer within 30s")
+}
+
+// consumer starts `app serve` for both groups. Extra flags go last.
+func (s *scenario) consumer(name string, extra ...string) *proc {
+	s.t.Helper()
+	return s.consumerEnv(name, nil, extra...)
+}
+
+func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc {
+	s.t.Helper()
+	args := append([]string{"serve", "--no-migrate", "--topic", s.topic, "--dlq-topic", s.dlq, "--group-suffix", s.suffix,
+		"--groups", "billing,analytics", "--payment-url", s.providerURL, "--payment-api-key", s.account,
+		"--session-timeout", "6s", "--maintenance-interval", "0", "--max-retries", "8",
+		"--log-level", "debug", "--log-format", "json"}, extra...)
+	return s.startEnv(name, env, args...)
+}
+
+func (s *scenario) newEvent(amount decimal.Decimal) order.Confirmed {
+	s.t.Helper()
+	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.Must(uuid.NewV7()),
+		s.customers[len(s.events)%len(s.customers)], amount, "EUR")
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return ev
+}
+
+func (s *scenario) send(key string, payload []byte) {
+	s.t.Helper()
+	if _, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: s.topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)}); err != nil {
+		s.t.Fatalf("publish: %v", err)
+	}
+}
+
+// publish sends n fresh valid events, keyed by order id, pausing between them.
+func (s *scenario) publish(n int, pause time.Duration) []order.Confirmed {
+	s.t.Helper()
+	var out []order.Confirmed
+	for i := range n {
+		ev := s.newEvent(decimal.New(int64(100+(len(s.events)*37)%20000), -2))
+		s.mu.Lock()
+		s.events = append(s.events, ev)
+		s.mu.Unlock()
+		b, _ := ev.MarshalJSON()
+		s.send(ev.OrderID().String(), b)
+		out = append(out, ev)
+		if pause > 0 && i%10 == 9 {
+			time.Sleep(pause)
+		}
+	}
+	return out
+}
+
+// publishDeclined sends n events the provider declines: billing records them
+// as failed and dead-letters them; analytics counts them.
+func (s *scenario) publishDeclined(n int) []order.Confirmed {
+	s.t.Helper()
+	var out []order.Confirmed
+	for range n {
+		ev := s.newEvent(decimal.RequireFromString("10000.01"))
+		s.mu.Lock()
+		s.declined = append(s.declined, ev)
+		s.mu.Unlock()
+		b, _ := ev.MarshalJSON()
+		s.send(ev.OrderID().String(), b)
+		out = append(out, ev)
+	}
+	return out
+}
+
+// republish sends events again as a producer would: same bytes; with
+// otherKey the copy lands on another partition, so two consumers race on it.
+func (s *scenario) republish(events []order.Confirmed, otherKey bool) {
+	s.t.Helper()
+	for _, ev := range events {
+		b, _ := ev.MarshalJSON()
+		key := ev.OrderID().String()
+		if otherKey {
+			key = "elsewhere-" + key
+		}
+		s.send(key, b)
+	}
+}
+
+func (s *scenario) sendPoison(payload []byte) {
+	s.t.Helper()
+	s.mu.Lock()
+	s.poison = append(s.poison, payload)
+	s.mu.Unlock()
+	s.send("poison", payload)
+}
+
+// resetOffsetsToEarliest uses Kafka's own consumer-group tool; the group must
+// have no running members.
+func (s *scenario) resetOffsetsToEarliest(group string) {
+	s.t.Helper()
+	cmd := exec.Command(filepath.Join(repoRoot, "dev", "kafka.sh"), "tool", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+		"--bootstrap-server", strings.Join(s.brokers, ","), "--group", group, "--topic", s.topic,
+		"--reset-offsets", "--to-earliest", "--execute")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		s.t.Fatalf("kafka-consumer-groups --reset-offsets: %v\n%s", err, out)
+	}
+}
+
+// waitDrained waits until both groups committed the end of every partition.
+func (s *scenario) waitDrained(timeout time.Duration) {
+	s.t.Helper()
+	client, err := sarama.NewClient(s.brokers, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	deadline := time.Now().Add(timeout)
+	var lag int64
+	for time.Now().Before(deadline) {
+		lag = 0
+		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+			lag += groupLag(s.t, client, admin, g, s.topic)
+		}
+		if lag == 0 {
+			return
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	s.t.Errorf("consumer lag still %d after %s", lag, timeout)
+}
+
+func groupLag(t *testing.T, client sarama.Client, admin sarama.ClusterAdmin, group, topic string) int64 {
+	t.Helper()
+	_ = client.RefreshMetadata(topic)
+	resp, err := admin.ListConsumerGroupOffsets(group, nil)
+	if err != nil {
+		return 1 << 30
+	}
+	partitions, _ := client.Partitions(topic)
+	var lag int64
+	for _, p := range partitions {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 1 << 30
+		}
+		committed := int64(0)
+		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+			committed = b.Offset
+		}
+		lag += end - committed
+	}
+	return lag
+}
+
+// outcomes reads every consumer process's log: per group and outcome, the
+// number of deliveries, and the event ids per outcome.
+type outcomes struct {
+	count map[string]map[string]int
+	ids   map[string]map[string][]string
+	lines map[string]int // other log messages of interest, by text
+}
+
+func (s *scenario) readOutcomes() outcomes {
+	o := outcomes{count: map[string]map[string]int{}, ids: map[string]map[string][]string{}, lines: map[string]int{}}
+	for _, p := range s.procs {
+		f, err := os.Open(p.log)
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 1<<20), 4<<20)
+		for sc.Scan() {
+			var l struct {
+				Msg     string `json:"msg"`
+				Outcome string `json:"outcome"`
+				Group   string `json:"consumer_group"`
+				EventID string `json:"event_id"`
+			}
+			if json.Unmarshal(sc.Bytes(), &l) != nil {
+				continue
+			}
+			if l.Msg != "message" {
+				o.lines[l.Msg]++
+				continue
+			}
+			if o.count[l.Group] == nil {
+				o.count[l.Group] = map[string]int{}
+				o.ids[l.Group] = map[string][]string{}
+			}
+			o.count[l.Group][l.Outcome]++
+			o.ids[l.Group][l.Outcome] = append(o.ids[l.Group][l.Outcome], l.EventID)
+		}
+		f.Close()
+	}
+	return o
+}
+
+func (o outcomes) total(group string) int {
+	n := 0
+	for _, c := range o.count[group] {
+		n += c
+	}
+	return n
+}
+
+// verify checks the invariants every scenario ends with, records the row and
+// reports each violation.
+func (s *scenario) verify(drainTimeout time.Duration) {
+	t := s.t
+	t.Helper()
+	s.waitDrained(drainTimeout)
+	ctx := context.Background()
+	r := result{Scenario: s.name, Events: len(s.events) + len(s.declined), Kills: s.kills, Restarts: s.restarts, Rebal: s.rebal}
+	o := s.readOutcomes()
+	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+		r.Deliveries += o.total(g)
+		r.Duplicates += o.count[g]["duplicate"]
+	}
+
+	client, err := payment.NewClient(payment.ClientConfig{BaseURL: s.providerURL, APIKey: s.account})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ledger, err := client.Ledger(ctx)
+	if err != nil {
+		t.Fatalf("ledger: %v", err)
+	}
+	want := map[string]order.Confirmed{}
+	ids := make([]uuid.UUID, 0, len(s.events))
+	total := decimal.Zero
+	for _, ev := range s.events {
+		want[ev.OrderID().String()] = ev
+		ids = append(ids, ev.EventID())
+		total = total.Add(ev.Amount())
+	}
+	charged := map[string]int{}
+	for _, c := range ledger.Charges {
+		charged[c.OrderID]++
+		if _, ok := want[c.OrderID]; !ok {
+			t.Errorf("charge %s for an order the scenario never confirmed: %s", c.ChargeID, c.OrderID)
+		}
+	}
+	r.Charges = ledger.Count
+	for id, n := range charged {
+		if n > 1 {
+			r.DoubleCharges++
+			t.Errorf("order %s charged %d times", id, n)
+		}
+	}
+	missingCharge := 0
+	for id := range want {
+		if charged[id] == 0 {
+			missingCharge++
+		}
+	}
+	if ledger.Totals["EUR"] != total.StringFixed(2) && len(want) > 0 {
+		t.Errorf("charged total %s, ordered total %s", ledger.Totals["EUR"], total.StringFixed(2))
+	}
+
+	var payments int
+	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM billing.payments WHERE event_id = ANY($1) AND status = 'charged'`, ids).Scan(&payments); err != nil {
+		t.Fatal(err)
+	}
+	if payments != len(s.events) {
+		t.Errorf("billing recorded %d charged payments for %d orders", payments, len(s.events))
+	}
+	declinedIDs := make([]uuid.UUID, 0, len(s.declined))
+	declinedTotal := decimal.Zero
+	for _, ev := range s.declined {
+		declinedIDs = append(declinedIDs, ev.EventID())
+		declinedTotal = declinedTotal.Add(ev.Amount())
+		if charged[ev.OrderID().String()] > 0 {
+			t.Errorf("declined order %s was charged", ev.OrderID())
+		}
+	}
+	var failed int
+	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM billing.payments WHERE event_id = ANY($1) AND status = 'failed'`, declinedIDs).Scan(&failed); err != nil {
+		t.Fatal(err)
+	}
+	if failed != len(s.declined) {
+		t.Errorf("billing recorded %d failed payments for %d declined orders", failed, len(s.declined))
+	}
+	var revenue decimal.Decimal
+	var count int
+	if err := s.pool.QueryRow(ctx, `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0) FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, s.customers).Scan(&revenue, &count); err != nil {
+		t.Fatal(err)
+	}
+	if all := total.Add(declinedTotal); !revenue.Equal(all) || count != len(s.events)+len(s.declined) {
+		t.Errorf("analytics: %s over %d orders; want %s over %d", revenue, count, all, len(s.events)+len(s.declined))
+	}
+	lost := map[uuid.UUID]bool{}
+	claimed := append(append([]uuid.UUID(nil), ids...), declinedIDs...)
+	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+		rows, err := s.pool.Query(ctx, `SELECT e FROM unnest($1::uuid[]) AS e WHERE NOT EXISTS (
+			SELECT 1 FROM processed_event p WHERE p.event_id = e AND p.consumer_group = $2)`, claimed, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for rows.Next() {
+			var id uuid.UUID
+			_ = rows.Scan(&id)
+			lost[id] = true
+		}
+		rows.Close()
+	}
+	for id := range want {
+		if charged[id] == 0 {
+			lost[want[id].EventID()] = true
+		}
+	}
+	r.Lost = len(lost)
+	if r.Lost > 0 {
+		t.Errorf("%d valid events lost (no claim in a group, or never charged; %d uncharged)", r.Lost, missingCharge)
+	}
+	s.verifyPoison()
+	// Recorded when the test ends, so checks made after verify count too.
+	t.Cleanup(func() {
+		r.Pass = !t.Failed()
+		record(r)
+	})
+	t.Logf("%s: %+v", s.name, r)
+}
+
+// verifyPoison reads the dead-letter topic: every poison message must be
+// there, dead-lettered by both groups, with a reason.
+func (s *scenario) verifyPoison() {
+	t := s.t
+	if len(s.poison) == 0 {
+		return
+	}
+	cfg := sarama.NewConfig()
+	cfg.Consumer.Fetch.Max = 2 << 20
+	c, err := sarama.NewConsumer(s.brokers, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	pc, err := c.ConsumePartition(s.dlq, 0, sarama.OffsetOldest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	seen := map[string]map[string]string{} // payload -> group -> reason
+	for {
+		select {
+		case m := <-pc.Messages():
+			var reason, group string
+			for _, h := range m.Headers {
+				switch string(h.Key) {
+				case middleware.ReasonForPoisonedKey:
+					reason = string(h.Value)
+				case middleware.PoisonedHandlerKey:
+					group = string(h.Value)
+				}
+			}
+			if seen[string(m.Value)] == nil {
+				seen[string(m.Value)] = map[string]string{}
+			}
+			seen[string(m.Value)][group] = reason
+			continue
+		case <-time.After(3 * time.Second):
+		}
+		break
+	}
+	for _, p := range s.poison {
+		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+			if reason := seen[string(p)][g]; reason == "" {
+				t.Errorf("poison message %.60q not dead-lettered with a reason by %s", p, g)
+			}
+		}
+	}
+}
+
+func freshPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		pool := testenv.Postgres(t)
+		if err := pool.Ping(context.Background()); err == nil || time.Now().After(deadline) {
+			return pool
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}

@@ -1,0 +1,283 @@
+package e2e
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// scale multiplies counts in the soak variant.
+func scale(n int) int {
+	if *soak {
+		return n * 5
+	}
+	return n
+}
+
+func runDLQReplay(s *scenario) {
+	s.t.Helper()
+	p := s.start("dlq-replay", "dlq", "replay", "--topic", s.topic, "--dlq-topic", s.dlq, "--group", "dlq-replay"+s.suffix, "--max-age", "1h")
+	select {
+	case <-p.done:
+	case <-time.After(60 * time.Second):
+		s.t.Fatal("dlq replay did not finish in 60s")
+	}
+	if p.err != nil {
+		s.t.Fatalf("dlq replay: %v\n%s", p.err, tail(p.log, 20))
+	}
+}
+
+// 1. Duplicates from every source: a producer re-publishing (same key), the
+// same event on two partitions at once (two instances race on it), a
+// dead-letter replay, and Kafka's own consumer-group offset reset.
+func TestDuplicatesFromEverySource(t *testing.T) {
+	s := newScenario(t, "1 duplicates from every source", 6)
+	s.startProvider()
+	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
+	events := s.publish(scale(400), 0)
+	s.republish(events[:len(events)/10], false)
+	s.republish(events[len(events)/10:len(events)/5], true)
+	// Declined charges are dead-lettered by billing (and processed by
+	// analytics): the replay below sends valid events to both groups again.
+	declined := s.publishDeclined(5)
+	s.sendPoison([]byte(`{"event_id":"not-even-json`))
+	s.waitDrained(90 * time.Second)
+
+	runDLQReplay(s)
+	s.waitDrained(60 * time.Second)
+
+	a.stop(t)
+	b.stop(t)
+	s.resetOffsetsToEarliest(s.group(analyticsGroup))
+	s.consumer("consumer-a")
+	s.consumer("consumer-b")
+	s.restarts += 2
+	s.verify(120 * time.Second)
+
+	o := s.readOutcomes()
+	if d := o.count[s.group(analyticsGroup)]["duplicate"]; d < len(events) {
+		t.Errorf("analytics skipped %d duplicates after the reset to earliest; want at least %d (every event again)", d, len(events))
+	}
+	if d := o.count[s.group(billingGroup)]["duplicate"]; d < len(events)/5+len(declined) {
+		t.Errorf("billing skipped %d duplicates; want at least %d (re-published and replayed)", d, len(events)/5+len(declined))
+	}
+}
+
+// 2. kill -9 of consumers at random moments during a stream, and once exactly
+// between the database commit and the offset commit.
+func TestKillNine(t *testing.T) {
+	s := newScenario(t, "2 kill -9", 6)
+	s.startProvider()
+	consumers := []*proc{
+		s.consumerEnv("consumer-a", []string{"ONCE_E2E_KILL_AFTER_COMMIT=40"}),
+		s.consumer("consumer-b"),
+	}
+	var mu sync.Mutex
+	done := make(chan struct{})
+	go func() { defer close(done); s.publish(scale(1000), 80*time.Millisecond) }()
+
+	// First the deterministic kill: consumer-a kills itself after its 40th
+	// commit, before acknowledging that message.
+	select {
+	case <-consumers[0].done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("consumer-a did not reach its 40th commit")
+	}
+	s.kills++
+	s.restarts++
+	consumers[0] = s.consumer("consumer-a")
+
+	kills := scale(5)
+	rng := rand.New(rand.NewPCG(1, 2))
+	ticker := time.NewTicker(1500 * time.Millisecond)
+	defer ticker.Stop()
+	for k := 0; k < kills; {
+		<-ticker.C
+		mu.Lock()
+		for i, p := range consumers {
+			if !p.running() { // the hook killed it: that is a kill too
+				s.kills++
+				s.restarts++
+				consumers[i] = s.consumer(p.name)
+			}
+		}
+		i := rng.IntN(len(consumers))
+		consumers[i].kill()
+		s.kills++
+		k++
+		consumers[i] = s.consumer(consumers[i].name)
+		s.restarts++
+		mu.Unlock()
+	}
+	<-done
+	for i, p := range consumers {
+		if !p.running() {
+			s.kills++
+			s.restarts++
+			consumers[i] = s.consumer(p.name)
+		}
+	}
+	s.verify(120 * time.Second)
+
+	// The commit/ack window was hit: the hook's event was committed before the
+	// kill and, redelivered, skipped as a duplicate.
+	o := s.readOutcomes()
+	if o.lines["e2e: killing this process between the database commit and the offset commit"] != 1 {
+		t.Fatalf("the kill between commit and ack did not happen")
+	}
+	windowEvent := hookEvent(t, s)
+	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+		found := false
+		for _, id := range o.ids[g]["duplicate"] {
+			found = found || id == windowEvent
+		}
+		if strings.HasPrefix(windowEventGroup(t, s), g) && !found {
+			t.Errorf("event %s, killed between commit and ack in %s, was not redelivered and skipped", windowEvent, g)
+		}
+	}
+}
+
+// hookEvent returns the event id the kill hook logged.
+func hookEvent(t *testing.T, s *scenario) string {
+	id, _ := hookLine(t, s)
+	return id
+}
+
+func windowEventGroup(t *testing.T, s *scenario) string {
+	_, g := hookLine(t, s)
+	return g
+}
+
+func hookLine(t *testing.T, s *scenario) (eventID, group string) {
+	t.Helper()
+	for _, p := range s.procs {
+		out, _ := exec.Command("grep", "-h", "e2e: killing", p.log).Output()
+		if len(out) == 0 {
+			continue
+		}
+		line := string(out)
+		eventID = field(line, "event_id")
+		group = field(line, "consumer_group")
+		return
+	}
+	t.Fatal("no kill-hook line in any log")
+	return
+}
+
+func field(jsonLine, name string) string {
+	i := strings.Index(jsonLine, `"`+name+`":"`)
+	if i < 0 {
+		return ""
+	}
+	rest := jsonLine[i+len(name)+4:]
+	return rest[:strings.Index(rest, `"`)]
+}
+
+// 3. Rebalances: a group scaled from 1 to 3 instances and back while traffic
+// flows; the instances that leave get SIGTERM and must exit cleanly.
+func TestRebalances(t *testing.T) {
+	s := newScenario(t, "3 rebalances 1-3-1", 6)
+	s.startProvider()
+	s.consumer("consumer-a")
+	done := make(chan struct{})
+	go func() { defer close(done); s.publish(scale(900), 100*time.Millisecond) }()
+	time.Sleep(2 * time.Second)
+	b, c := s.consumer("consumer-b"), s.consumer("consumer-c")
+	s.rebal += 2
+	time.Sleep(4 * time.Second)
+	b.stop(t)
+	c.stop(t)
+	s.rebal += 2
+	<-done
+	s.verify(120 * time.Second)
+}
+
+// 4. PostgreSQL restarted mid-stream: the consumers ride it out without a
+// restart of their own.
+func TestPostgresRestart(t *testing.T) {
+	s := newScenario(t, "4 postgres restart", 6)
+	pgScript := filepath.Join(repoRoot, "dev", "postgres.sh")
+	if err := exec.Command(pgScript, "status").Run(); err != nil {
+		t.Skip("DATABASE_URL is not the cluster dev/postgres.sh runs; this scenario restarts it and cannot restart yours")
+	}
+	s.startProvider()
+	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
+	done := make(chan struct{})
+	go func() { defer close(done); s.publish(scale(600), 100*time.Millisecond) }()
+	time.Sleep(2 * time.Second)
+	if out, err := exec.Command(pgScript, "restart").CombinedOutput(); err != nil {
+		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
+	}
+	s.restarts++
+	<-done
+	s.pool = freshPool(t) // the test's own connections died with the server
+	s.verify(120 * time.Second)
+	for _, p := range []*proc{a, b} {
+		if !p.running() {
+			t.Errorf("%s exited during the database restart: %s", p.name, tail(p.log, 10))
+		}
+	}
+	if o := s.readOutcomes(); o.lines["database unreachable; holding the message"] == 0 {
+		t.Log("no message was in flight during the restart (no outage wait logged)")
+	}
+}
+
+// 5. Payment provider faults: reply-then-reset and 5xx bursts, a slow
+// provider that outlasts the client's timeout, and a provider killed and
+// restarted mid-stream.
+func TestProviderFaults(t *testing.T) {
+	s := newScenario(t, "5 provider faults", 6)
+	s.startProvider("--fault-reset-rate", "0.2", "--fault-5xx-rate", "0.2")
+	s.consumer("consumer-a", "--payment-timeout", "500ms")
+	s.consumer("consumer-b", "--payment-timeout", "500ms")
+	s.publish(scale(300), 0)
+	s.waitDrained(90 * time.Second)
+
+	s.provider.kill()
+	s.startProvider("--fault-latency", "800ms")
+	s.restarts++
+	s.publish(scale(60), 0)
+	s.waitDrained(120 * time.Second)
+
+	s.provider.kill()
+	s.startProvider()
+	s.restarts++
+	done := make(chan struct{})
+	go func() { defer close(done); s.publish(scale(200), 50*time.Millisecond) }()
+	time.Sleep(time.Second)
+	s.provider.kill()
+	s.kills++
+	time.Sleep(time.Second)
+	s.startProvider()
+	s.restarts++
+	<-done
+	s.verify(120 * time.Second)
+}
+
+// 6. Poison messages in the middle of one partition: malformed JSON, a UUIDv4
+// id, a negative amount, a huge payload. Each is dead-lettered with a reason
+// by both groups and the partition keeps flowing.
+func TestPoisonMessages(t *testing.T) {
+	s := newScenario(t, "6 poison messages", 1)
+	s.startProvider()
+	s.consumer("consumer-a")
+	poison := [][]byte{
+		[]byte(`{"event_id": "019ae0a5-3c1e-7b6a`),
+		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"5.00","currency":"EUR"}`, uuid.New(), uuid.New(), uuid.New()),
+		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-5.00","currency":"EUR"}`, uuid.Must(uuid.NewV7()), uuid.New(), uuid.New()),
+		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","padding":%q}`, uuid.Must(uuid.NewV7()), strings.Repeat("x", 900<<10)),
+	}
+	for _, p := range poison {
+		s.publish(10, 0)
+		s.sendPoison(p)
+	}
+	s.publish(10, 0)
+	s.verify(90 * time.Second)
+}
