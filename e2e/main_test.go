@@ -14,7 +14,7 @@ import (
 	"text/tabwriter"
 )
 
-var soak = flag.Bool("e2e.soak", false, "run the longer soak variant of every scenario")
+var soak = flag.Bool("e2e.soak", os.Getenv("ONCE_E2E_SOAK") != "", "run the longer soak variant of every scenario (or set ONCE_E2E_SOAK=1)")
 
 var (
 	appBinary string
