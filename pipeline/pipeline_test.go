@@ -107,7 +107,7 @@ func (e *env) config(groups ...pipeline.Group) pipeline.Config {
 }
 
 // run starts the pipeline and returns a function that stops it and waits.
-func run(t *testing.T, cfg pipeline.Config) (stop func()) {
+func run(t testing.TB, cfg pipeline.Config) (stop func()) {
 	t.Helper()
 	p, err := pipeline.New(cfg)
 	if err != nil {
@@ -138,7 +138,7 @@ func run(t *testing.T, cfg pipeline.Config) (stop func()) {
 
 func uniqueGroup(name string) string { return name + "-" + uuid.NewString()[:8] }
 
-func validEvent(t *testing.T, amount string) order.Confirmed {
+func validEvent(t testing.TB, amount string) order.Confirmed {
 	t.Helper()
 	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.New(), uuid.New(), decimal.RequireFromString(amount), "EUR")
 	if err != nil {
@@ -147,7 +147,7 @@ func validEvent(t *testing.T, amount string) order.Confirmed {
 	return ev
 }
 
-func payload(t *testing.T, ev order.Confirmed) []byte {
+func payload(t testing.TB, ev order.Confirmed) []byte {
 	t.Helper()
 	b, err := ev.MarshalJSON()
 	if err != nil {
