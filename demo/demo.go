@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
@@ -283,8 +282,7 @@ func (r *run) startOrders(ctx context.Context) (*orders.Service, func(), error) 
 	if err := svc.Init(ctx); err != nil {
 		return nil, nil, err
 	}
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: r.cfg.Brokers, Marshaler: orders.KafkaMarshaler(),
-		OverwriteSaramaConfig: pipeline.PublisherSaramaConfig(r.version)}, nil)
+	pub, err := orders.NewKafkaPublisher(r.cfg.Brokers, pipeline.PublisherSaramaConfig(r.version), nil)
 	if err != nil {
 		return nil, nil, err
 	}

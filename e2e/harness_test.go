@@ -258,17 +258,24 @@ func (s *scenario) publish(n int, pause time.Duration) []order.Confirmed {
 	var out []order.Confirmed
 	for i := range n {
 		ev := s.newEvent(decimal.New(int64(100+(len(s.events)*37)%20000), -2))
-		s.mu.Lock()
-		s.events = append(s.events, ev)
-		s.mu.Unlock()
-		b, _ := ev.MarshalJSON()
-		s.send(ev.OrderID().String(), b)
+		s.sendEvent(ev, &s.events)
 		out = append(out, ev)
 		if pause > 0 && i%10 == 9 {
 			time.Sleep(pause)
 		}
 	}
 	return out
+}
+
+// sendEvent remembers ev in list (for the checks) and publishes it, keyed by
+// its order id.
+func (s *scenario) sendEvent(ev order.Confirmed, list *[]order.Confirmed) {
+	s.t.Helper()
+	s.mu.Lock()
+	*list = append(*list, ev)
+	s.mu.Unlock()
+	b, _ := ev.MarshalJSON()
+	s.send(ev.OrderID().String(), b)
 }
 
 // publishDeclined sends n events the provider declines: billing records them
@@ -278,11 +285,7 @@ func (s *scenario) publishDeclined(n int) []order.Confirmed {
 	var out []order.Confirmed
 	for range n {
 		ev := s.newEvent(decimal.RequireFromString("10000.01"))
-		s.mu.Lock()
-		s.declined = append(s.declined, ev)
-		s.mu.Unlock()
-		b, _ := ev.MarshalJSON()
-		s.send(ev.OrderID().String(), b)
+		s.sendEvent(ev, &s.declined)
 		out = append(out, ev)
 	}
 	return out

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
@@ -155,6 +156,17 @@ func KafkaMarshaler() kafka.MarshalerUnmarshaler {
 		}
 		return key, nil
 	})
+}
+
+// NewKafkaPublisher returns the forwarder's Kafka publisher: keyed by order
+// id ([KafkaMarshaler]) and configured by cfg, which should be an idempotent
+// producer's (acks from all in-sync replicas, one request in flight).
+func NewKafkaPublisher(brokers []string, cfg *sarama.Config, logger watermill.LoggerAdapter) (*kafka.Publisher, error) {
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: KafkaMarshaler(), OverwriteSaramaConfig: cfg}, logger)
+	if err != nil {
+		return nil, fmt.Errorf("orders: kafka publisher: %w", err)
+	}
+	return pub, nil
 }
 
 // NewForwarder moves outbox rows to Kafka through kafkaPublisher (see

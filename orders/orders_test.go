@@ -9,7 +9,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -45,8 +44,7 @@ func setup(t *testing.T) *fixture {
 func (f *fixture) kafkaPublisher(t *testing.T) message.Publisher {
 	t.Helper()
 	version, _ := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: f.brokers, Marshaler: orders.KafkaMarshaler(),
-		OverwriteSaramaConfig: pipeline.PublisherSaramaConfig(version)}, watermill.NopLogger{})
+	pub, err := orders.NewKafkaPublisher(f.brokers, pipeline.PublisherSaramaConfig(version), watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/http"
 
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
@@ -33,14 +32,11 @@ func (c *ordersCmd) Validate() error {
 // Run serves POST /v1/orders {"customer_id","amount","currency"} and forwards
 // the outbox to Kafka until stopped.
 func (c *ordersCmd) Run(ctx context.Context, d deps) error {
-	pool, err := c.DB.connect(ctx)
+	pool, err := c.DB.open(ctx, d, true)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate(ctx, pool, d); err != nil {
-		return err
-	}
 	if err := c.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
@@ -51,8 +47,7 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	if err := svc.Init(ctx); err != nil {
 		return err
 	}
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: c.Kafka.Brokers, Marshaler: orders.KafkaMarshaler(),
-		OverwriteSaramaConfig: pipeline.PublisherSaramaConfig(c.Kafka.version)}, nil)
+	pub, err := orders.NewKafkaPublisher(c.Kafka.Brokers, pipeline.PublisherSaramaConfig(c.Kafka.version), nil)
 	if err != nil {
 		return err
 	}

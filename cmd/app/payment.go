@@ -68,16 +68,11 @@ func (c *paymentProviderCmd) Validate() error {
 }
 
 func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
-	pool, err := c.DB.connect(ctx)
+	pool, err := c.DB.open(ctx, d, c.Migrate)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if c.Migrate {
-		if err := migrate(ctx, pool, d); err != nil {
-			return err
-		}
-	}
 	provider, err := payment.NewProvider(payment.ProviderConfig{
 		DB:              pool,
 		KeyRetention:    c.KeyRetention,

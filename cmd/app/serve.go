@@ -124,16 +124,11 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 }
 
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
-	pool, err := s.DB.connect(ctx)
+	pool, err := s.DB.open(ctx, d, s.Migrate)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if s.Migrate {
-		if err := migrate(ctx, pool, d); err != nil {
-			return err
-		}
-	}
 	if err := s.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}

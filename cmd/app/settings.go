@@ -94,6 +94,22 @@ func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
+// open connects and, when asked, applies the migrations first: what every
+// command that serves does at start-up.
+func (d *dbSettings) open(ctx context.Context, dp deps, migrateFirst bool) (*pgxpool.Pool, error) {
+	pool, err := d.connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if migrateFirst {
+		if err := migrate(ctx, pool, dp); err != nil {
+			pool.Close()
+			return nil, err
+		}
+	}
+	return pool, nil
+}
+
 func migrate(ctx context.Context, pool *pgxpool.Pool, d deps) error {
 	applied, err := migrations.Up(ctx, pool)
 	if err != nil {
