@@ -33,8 +33,12 @@ func Example() {
 		if err != nil {
 			return err
 		}
+		eventID, err := idempotency.PayloadEventID(msg)
+		if err != nil {
+			return err
+		}
 		// Same transaction as the claim: commits with it, or not at all.
-		_, err = tx.Exec(msg.Context(), `INSERT INTO billing.ledger (event_id) VALUES ($1)`, msg.UUID)
+		_, err = tx.Exec(msg.Context(), `INSERT INTO billing.ledger (event_id) VALUES ($1)`, eventID)
 		return err
 	}).AddMiddleware(idem.Middleware)
 	_ = router.Run(ctx)
