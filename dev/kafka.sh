@@ -32,7 +32,7 @@ resolve_jars() {
 	if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return; fi
 	log "resolving the broker's classpath through Maven (cached in ~/.m2)"
 	rm -rf "$lib" && mkdir -p "$lib"
-	mvn -q -B -f "$root/dev/kafka/pom.xml" dependency:copy-dependencies \
+	mvn -q -B -Dstyle.color=never -f "$root/dev/kafka/pom.xml" dependency:copy-dependencies \
 		-DincludeScope=runtime -DoutputDirectory="$lib" >&2
 	echo "$want" >"$stamp"
 }
@@ -94,7 +94,8 @@ start() {
 		local cluster_id
 		cluster_id=$(java_run kafka.tools.StorageTool random-uuid)
 		java_run kafka.tools.StorageTool format --ignore-formatted \
-			-t "$cluster_id" -c "$kdir/server.properties" >&2
+			-t "$cluster_id" -c "$kdir/server.properties" >"$kdir/format.log" 2>&1 ||
+			{ log "formatting the storage failed:"; cat "$kdir/format.log" >&2; exit 1; }
 	fi
 	local t0=$SECONDS
 	# setsid: the broker must not die with the shell that started it, and
