@@ -366,3 +366,41 @@ func TestInvalidConfigIsRejected(t *testing.T) {
 		}
 	}
 }
+
+// While its database is unreachable, a consumer holds its messages; but when
+// another instance joins, it gives its partitions up at once instead of
+// blocking the rebalance until sarama's 60s rebalance timeout, and when it is
+// stopped it stops at once. The other instance processes everything, once.
+func TestOutageDoesNotBlockRebalanceOrShutdown(t *testing.T) {
+	e := newEnv(t, 4)
+	group := uniqueGroup("analytics")
+	r := &recorder{group: group}
+	stuckPool, proxy := testenv.ProxiedPostgres(t, e.pool)
+	proxy.Down(true)
+	cfgA := e.config(pipeline.Group{Name: group, Handler: r})
+	cfgA.DB = stuckPool
+	stopA := run(t, cfgA)
+	for i := range 24 {
+		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, validEvent(t, "3.00")))
+	}
+	time.Sleep(2 * time.Second) // A now holds messages it cannot process
+
+	run(t, e.config(pipeline.Group{Name: group, Handler: r}))
+	joined := time.Now()
+	testenv.Eventually(t, 20*time.Second, "the new instance processing its share", func() bool { return effects(t, e.pool, group) > 0 })
+	t.Logf("rebalance with a consumer stuck in an outage: first event processed %s after the second instance joined", time.Since(joined).Round(time.Millisecond))
+
+	stopping := time.Now()
+	done := make(chan struct{})
+	go func() { stopA(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("a consumer waiting for its database did not stop within 15s")
+	}
+	t.Logf("stopped a consumer waiting for its database in %s", time.Since(stopping).Round(time.Millisecond))
+	testenv.Eventually(t, 60*time.Second, "all 24 events processed", func() bool { return effects(t, e.pool, group) == 24 })
+	if n := r.runs.Load(); n != 24 {
+		t.Fatalf("handler ran %d times, want 24", n)
+	}
+}

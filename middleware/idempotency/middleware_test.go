@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -293,78 +292,11 @@ func TestCommitSurvivesCancelledMessageContext(t *testing.T) {
 	}
 }
 
-// flakyProxy forwards TCP to PostgreSQL, but while down it accepts and at once
-// closes connections: to pgx that is the database being unreachable.
-type flakyProxy struct {
-	ln   net.Listener
-	down atomic.Bool
-	mu   sync.Mutex
-	open []net.Conn
-}
-
-func newFlakyProxy(t *testing.T, target string) *flakyProxy {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &flakyProxy{ln: ln}
-	t.Cleanup(func() { ln.Close(); p.cut() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			if p.down.Load() {
-				c.Close()
-				continue
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.open = append(p.open, c, s)
-			p.mu.Unlock()
-			go func() { _, _ = io.Copy(s, c); s.Close() }()
-			go func() { _, _ = io.Copy(c, s); c.Close() }()
-		}
-	}()
-	return p
-}
-
-// cut drops every open connection, as a database restart would.
-func (p *flakyProxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.open {
-		c.Close()
-	}
-	p.open = nil
-}
-
-func proxiedPool(t *testing.T, direct *pgxpool.Pool) (*pgxpool.Pool, *flakyProxy) {
-	t.Helper()
-	cfg := direct.Config().Copy()
-	p := newFlakyProxy(t, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port))
-	addr := p.ln.Addr().(*net.TCPAddr)
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port = addr.IP.String(), uint16(addr.Port)
-	cfg.ConnConfig.ConnectTimeout = time.Second
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool, p
-}
-
 // While the database is unreachable the message is held, not failed and not
 // dead-lettered; once it is back, the message is processed once.
 func TestDatabaseOutageHoldsMessageUntilBack(t *testing.T) {
 	direct := setup(t)
-	pool, proxy := proxiedPool(t, direct)
+	pool, proxy := testenv.ProxiedPostgres(t, direct)
 	group := uniqueGroup(t, "g")
 	id, msg := newEvent(t)
 	var runs atomic.Int64
@@ -374,9 +306,9 @@ func TestDatabaseOutageHoldsMessageUntilBack(t *testing.T) {
 		OnResult: func(r idempotency.Result) { res = r }})
 	h := m.Middleware(recordEffect(group, &runs))
 
-	proxy.down.Store(true)
-	proxy.cut()
-	go func() { time.Sleep(700 * time.Millisecond); proxy.down.Store(false) }()
+	proxy.Down(true)
+	proxy.Cut()
+	go func() { time.Sleep(700 * time.Millisecond); proxy.Down(false) }()
 	if _, err := h(msg); err != nil {
 		t.Fatalf("got %v; an outage must not fail the message", err)
 	}
@@ -392,7 +324,7 @@ func TestDatabaseOutageHoldsMessageUntilBack(t *testing.T) {
 // attempt is rolled back and repeated, not reported as the message's failure.
 func TestConnectionLostInHandlerIsRetriedAsOutage(t *testing.T) {
 	direct := setup(t)
-	pool, proxy := proxiedPool(t, direct)
+	pool, proxy := testenv.ProxiedPostgres(t, direct)
 	group := uniqueGroup(t, "g")
 	id, msg := newEvent(t)
 	var runs atomic.Int64
@@ -400,7 +332,7 @@ func TestConnectionLostInHandlerIsRetriedAsOutage(t *testing.T) {
 	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OutageBackoff: 10 * time.Millisecond})
 	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		if runs.Load() == 0 {
-			proxy.cut()
+			proxy.Cut()
 		}
 		return inner(msg)
 	})
@@ -414,8 +346,8 @@ func TestConnectionLostInHandlerIsRetriedAsOutage(t *testing.T) {
 
 func TestOutageGivesUpOnRevocationAndShutdown(t *testing.T) {
 	direct := setup(t)
-	pool, proxy := proxiedPool(t, direct)
-	proxy.down.Store(true)
+	pool, proxy := testenv.ProxiedPostgres(t, direct)
+	proxy.Down(true)
 
 	revoked := make(chan struct{})
 	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"),
