@@ -24,6 +24,9 @@ import (
 // DefaultOutboxTopic names the outbox (table watermill_orders_outbox).
 const DefaultOutboxTopic = "orders_outbox"
 
+// forwarderGroup is the outbox subscriber's consumer group.
+const forwarderGroup = "kafka_forwarder"
+
 // metaPartitionKey carries the order id from the outbox to the Kafka key.
 const metaPartitionKey = "partition_key"
 
@@ -137,12 +140,45 @@ func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest
 
 func (s *Service) outboxSubscriber() (*watermillsql.Subscriber, error) {
 	return watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(s.cfg.DB), watermillsql.SubscriberConfig{
-		ConsumerGroup:    "kafka_forwarder",
+		ConsumerGroup:    forwarderGroup,
 		PollInterval:     50 * time.Millisecond,
 		SchemaAdapter:    watermillsql.DefaultPostgreSQLSchema{},
 		OffsetsAdapter:   watermillsql.DefaultPostgreSQLOffsetsAdapter{},
 		InitializeSchema: true,
 	}, s.wlog)
+}
+
+// pruneOutboxSQL deletes, in one bounded batch, outbox rows the forwarder has
+// acknowledged (watermill-sql orders rows by transaction id, then offset) and
+// that are older than the given age. Unforwarded rows are never touched.
+// The table names are watermill-sql's, computed from the outbox topic;
+// created_at is a timestamp without time zone written by CURRENT_TIMESTAMP,
+// hence LOCALTIMESTAMP.
+const pruneOutboxSQL = `DELETE FROM %[1]s WHERE ctid IN (
+  SELECT m.ctid FROM %[1]s m JOIN %[2]s o ON o.consumer_group = $1
+  WHERE (m.transaction_id < o.last_processed_transaction_id
+     OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
+    AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+  LIMIT $3)`
+
+// PruneOutbox deletes forwarded outbox rows older than olderThan, batch rows
+// per statement, and returns how many it deleted. watermill-sql keeps every
+// row forever; without this the outbox grows with every order.
+func (s *Service) PruneOutbox(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
+	q := fmt.Sprintf(pruneOutboxSQL,
+		watermillsql.DefaultPostgreSQLSchema{}.MessagesTable(s.cfg.OutboxTopic),
+		watermillsql.DefaultPostgreSQLOffsetsAdapter{}.MessagesOffsetsTable(s.cfg.OutboxTopic))
+	var total int64
+	for {
+		tag, err := s.cfg.DB.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
+		if err != nil {
+			return total, fmt.Errorf("orders: prune outbox: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(batch) {
+			return total, nil
+		}
+	}
 }
 
 // KafkaMarshaler keys each Kafka message by its order id, so one order's

@@ -219,3 +219,33 @@ func TestOrderRowAndEventShareTheTransaction(t *testing.T) {
 		t.Fatalf("order row: %v", err)
 	}
 }
+
+// Forwarded rows are pruned; a row the forwarder has not acknowledged stays
+// whatever its age.
+func TestPruneOutboxDeletesOnlyForwardedRows(t *testing.T) {
+	f := setup(t)
+	ctx := context.Background()
+	for range 3 {
+		if _, err := f.svc.Confirm(ctx, req()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stop := f.runForwarder(t, f.kafkaPublisher(t))
+	f.readTopic(t, 3, time.Second)
+	stop()
+	if _, err := f.svc.Confirm(ctx, req()); err != nil { // not forwarded
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	n, err := f.svc.PruneOutbox(ctx, 0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != 3 {
+		t.Fatalf("pruned %d rows, want the 3 forwarded ones", n)
+	}
+	f.runForwarder(t, f.kafkaPublisher(t))
+	if got := f.readTopic(t, 4, 2*time.Second); len(got) != 4 {
+		t.Fatalf("topic holds %d events, want 4: the unforwarded row must survive pruning", len(got))
+	}
+}

@@ -119,6 +119,22 @@ func NewProvider(cfg ProviderConfig) (*Provider, error) {
 
 func (p *Provider) ServeHTTP(w http.ResponseWriter, r *http.Request) { p.mux.ServeHTTP(w, r) }
 
+// SweepKeys deletes keys older than the retention, in batches, and returns
+// how many. Expired keys are already ignored on use; this keeps the table small.
+func (p *Provider) SweepKeys(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := p.cfg.DB.Exec(ctx, sweepKeysSQL, p.cfg.KeyRetention.Seconds())
+		if err != nil {
+			return total, fmt.Errorf("payment: sweep keys: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < 5000 {
+			return total, nil
+		}
+	}
+}
+
 const (
 	expireKeySQL = `DELETE FROM payment_provider.idempotency_key
 WHERE account = $1 AND key = $2 AND created_at < now() - make_interval(secs => $3)`
@@ -134,7 +150,9 @@ VALUES ($1, $2, $3, $4, $5, $6)`
 	storeAnswerSQL = `UPDATE payment_provider.idempotency_key
 SET state = 'done', response_status = $3, response_body = $4 WHERE account = $1 AND key = $2`
 	releaseKeySQL = `DELETE FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2 AND state = 'in_flight'`
-	ledgerSQL     = `SELECT charge_id, idempotency_key, order_id, amount, currency, created_at
+	sweepKeysSQL  = `DELETE FROM payment_provider.idempotency_key WHERE ctid IN (
+SELECT ctid FROM payment_provider.idempotency_key WHERE created_at < now() - make_interval(secs => $1) LIMIT 5000)`
+	ledgerSQL = `SELECT charge_id, idempotency_key, order_id, amount, currency, created_at
 FROM payment_provider.charge WHERE account = $1 ORDER BY created_at, charge_id`
 )
 

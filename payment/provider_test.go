@@ -190,6 +190,15 @@ func TestKeysExpireAfterRetention(t *testing.T) {
 	if n := ledger(t, c).Count; n != 2 {
 		t.Fatalf("after retention: %d charges, want 2 (the provider forgot the key)", n)
 	}
+
+	time.Sleep(1100 * time.Millisecond)
+	sweeper, err := payment.NewProvider(payment.ProviderConfig{DB: pool, KeyRetention: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := sweeper.SweepKeys(context.Background()); err != nil || n < 1 {
+		t.Fatalf("sweep deleted %d keys (%v); want the expired one", n, err)
+	}
 }
 
 func TestStateSurvivesRestart(t *testing.T) {

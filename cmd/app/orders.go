@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
@@ -20,11 +21,30 @@ type ordersCmd struct {
 	Kafka  kafkaSettings `embed:""`
 	DB     dbSettings    `embed:""`
 	Listen string        `name:"listen" env:"ORDERS_LISTEN" default:"127.0.0.1:18081" help:"Address of the order API (POST /v1/orders)."`
+
+	OutboxRetention time.Duration `name:"outbox-retention" env:"ORDERS_OUTBOX_RETENTION" default:"24h" help:"Forwarded outbox rows older than this are deleted (every 10 minutes)."`
+}
+
+// every runs f now and then every interval until ctx ends.
+func every(ctx context.Context, interval time.Duration, f func()) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		f()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
 }
 
 func (c *ordersCmd) Validate() error {
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		return fmt.Errorf("--listen (ORDERS_LISTEN): %w", err)
+	}
+	if c.OutboxRetention <= 0 {
+		return fmt.Errorf("--outbox-retention (ORDERS_OUTBOX_RETENTION) must be positive")
 	}
 	return nil
 }
@@ -58,6 +78,13 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- fw.Run(ctx) }()
+	go every(ctx, 10*time.Minute, func() {
+		if n, err := svc.PruneOutbox(ctx, c.OutboxRetention, 5000); err != nil {
+			d.log.Error("prune outbox", "err", err)
+		} else if n > 0 {
+			d.log.Info("pruned forwarded outbox rows", "rows", n)
+		}
+	})
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/orders", func(w http.ResponseWriter, r *http.Request) {

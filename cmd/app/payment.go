@@ -89,6 +89,13 @@ func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
+	go every(ctx, time.Minute, func() {
+		if n, err := provider.SweepKeys(ctx); err != nil {
+			d.log.Error("sweep idempotency keys", "err", err)
+		} else if n > 0 {
+			d.log.Info("forgot expired idempotency keys", "keys", n)
+		}
+	})
 	return serveHTTP(ctx, d, "payment provider simulator", c.Listen, provider)
 }
 
