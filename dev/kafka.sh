@@ -32,8 +32,9 @@ resolve_jars() {
 	if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then return; fi
 	log "resolving the broker's classpath through Maven (cached in ~/.m2)"
 	rm -rf "$lib" && mkdir -p "$lib"
+	# Maven's console library prints colour resets even in batch mode; strip them.
 	mvn -q -B -Dstyle.color=never -f "$root/dev/kafka/pom.xml" dependency:copy-dependencies \
-		-DincludeScope=runtime -DoutputDirectory="$lib" >&2
+		-DincludeScope=runtime -DoutputDirectory="$lib" 2>&1 | sed 's/\x1b\[[0-9;]*m//g' >&2
 	echo "$want" >"$stamp"
 }
 
