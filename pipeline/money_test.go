@@ -65,7 +65,6 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	testenv.Publish(t, e.prod, e.topic, ev.OrderID().String(), payload(t, ev))
 	testenv.Eventually(t, 60*time.Second, "the event processed", func() bool { return seen.get(group, idempotency.Processed) == 1 })
 
-	t.Logf("outcomes %v requests %d", seen.n, requests.Load())
 	if f := seen.get(group, idempotency.Failed); f != 1 {
 		t.Fatalf("%d failed attempts, want 1 (the reset)", f)
 	}
