@@ -27,6 +27,7 @@ import (
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/handlers/analytics"
 	"github.com/once-dev/once/handlers/billing"
+	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/order"
 	"github.com/once-dev/once/orders"
@@ -101,7 +102,7 @@ type run struct {
 	dlqTopic string
 	groups   [2]string // billing, analytics
 	version  sarama.KafkaVersion
-	progress *progress
+	progress *progress.Line
 	client   *payment.Client
 	provider *payment.Provider
 	counts   *counters
@@ -134,13 +135,13 @@ func Run(ctx context.Context, cfg Config) (Summary, error) {
 		dlqTopic: "order.confirmed.v1.demo-" + id + ".dlq",
 		groups:   [2]string{"billing.demo-" + id, "analytics.demo-" + id},
 		version:  version,
-		progress: newProgress(cfg.Progress),
+		progress: progress.New(cfg.Progress),
 		counts:   newCounters(),
 	}
 	for range 200 {
 		r.customers = append(r.customers, uuid.New())
 	}
-	defer r.progress.done()
+	defer r.progress.Done()
 	return r.execute(ctx)
 }
 
@@ -196,27 +197,27 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 		return Summary{}, err
 	}
 	// Source 2: the dead-letter topic is replayed (declined charges, poison).
-	r.progress.set("replaying the dead-letter topic")
+	r.progress.Set("replaying the dead-letter topic")
 	replay, err := dlq.Replay(ctx, dlq.Config{Brokers: r.cfg.Brokers, Sarama: pipeline.PublisherSaramaConfig(r.version),
 		DLQTopic: r.dlqTopic, Topic: r.topic, Group: "dlq-replay.demo-" + r.id})
 	if err != nil {
 		return Summary{}, err
 	}
 	// Source 3: analytics' offsets are reset to the earliest and it restarts.
-	r.progress.set("stopping %s", r.groups[1])
+	r.progress.Set("stopping %s", r.groups[1])
 	stopAnalytics()
-	r.progress.set("resetting %s to the earliest offsets", r.groups[1])
+	r.progress.Set("resetting %s to the earliest offsets", r.groups[1])
 	if err := r.resetToEarliest(r.groups[1]); err != nil {
 		return Summary{}, err
 	}
-	r.progress.set("restarting %s", r.groups[1])
+	r.progress.Set("restarting %s", r.groups[1])
 	if stopAnalytics, err = r.startGroup(ctx, r.groups[1], analytics.Handler{}); err != nil {
 		return Summary{}, err
 	}
 	if err := r.waitLagZero(ctx); err != nil {
 		return Summary{}, err
 	}
-	r.progress.done()
+	r.progress.Done()
 	return r.summarize(ctx, republished, replay, time.Since(start))
 }
 
@@ -331,7 +332,7 @@ func (r *run) confirmOrders(ctx context.Context, svc *orders.Service, raw sarama
 						return
 					}
 				}
-				r.progress.set("confirming orders: %d/%d", i, r.cfg.Orders)
+				r.progress.Set("confirming orders: %d/%d", i, r.cfg.Orders)
 			}
 		})
 	}
@@ -380,7 +381,7 @@ func (r *run) republish(ctx context.Context, raw sarama.SyncProducer) (int, erro
 		if _, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.topic, Key: sarama.StringEncoder(ev.OrderID().String()), Value: sarama.ByteEncoder(payload)}); err != nil {
 			return i, fmt.Errorf("demo: republish: %w", err)
 		}
-		r.progress.set("re-publishing events: %d/%d", i+1, n)
+		r.progress.Set("re-publishing events: %d/%d", i+1, n)
 	}
 	return n, nil
 }
@@ -425,7 +426,7 @@ func (r *run) waitProcessed(ctx context.Context, what string) error {
 	for {
 		b := r.counts.get(r.groups[0], idempotency.Processed.String()) + r.counts.get(r.groups[0], idempotency.Rejected.String())
 		a := r.counts.get(r.groups[1], idempotency.Processed.String())
-		r.progress.set("%s: billing %d/%d, analytics %d/%d", what, b, want, a, want)
+		r.progress.Set("%s: billing %d/%d, analytics %d/%d", what, b, want, a, want)
 		if a >= want && b >= want {
 			return nil
 		}
@@ -452,13 +453,13 @@ func (r *run) waitLagZero(ctx context.Context) error {
 	for {
 		total := int64(0)
 		for _, g := range r.groups {
-			lag, err := groupLag(client, admin, g, r.topic)
+			lag, err := pipeline.GroupLag(client, admin, g, r.topic)
 			if err != nil {
 				return err
 			}
 			total += lag
 		}
-		r.progress.set("draining: consumer lag %d (analytics re-reads from the earliest offset)", total)
+		r.progress.Set("draining: consumer lag %d (analytics re-reads from the earliest offset)", total)
 		if total == 0 {
 			return nil
 		}
@@ -468,28 +469,4 @@ func (r *run) waitLagZero(ctx context.Context) error {
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
-}
-
-func groupLag(client sarama.Client, admin sarama.ClusterAdmin, group, topic string) (int64, error) {
-	resp, err := admin.ListConsumerGroupOffsets(group, nil)
-	if err != nil {
-		return 0, err
-	}
-	partitions, err := client.Partitions(topic)
-	if err != nil {
-		return 0, err
-	}
-	var lag int64
-	for _, p := range partitions {
-		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return 0, err
-		}
-		committed := int64(0)
-		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
-			committed = b.Offset
-		}
-		lag += end - committed
-	}
-	return lag, nil
 }

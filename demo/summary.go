@@ -247,37 +247,3 @@ func failed(checks []Check) []string {
 	}
 	return out
 }
-
-// progress keeps one live status line on a terminal-like writer.
-type progress struct {
-	mu     sync.Mutex
-	w      io.Writer
-	start  time.Time
-	last   time.Time
-	format string
-}
-
-func newProgress(w io.Writer) *progress { return &progress{w: w, start: time.Now()} }
-
-func (p *progress) set(format string, args ...any) {
-	if p.w == nil {
-		return
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	// A new phase always shows; updates within one are throttled.
-	if format == p.format && time.Since(p.last) < 250*time.Millisecond {
-		return
-	}
-	p.last, p.format = time.Now(), format
-	fmt.Fprintf(p.w, "\r\033[K[%5.1fs] %s", time.Since(p.start).Seconds(), fmt.Sprintf(format, args...))
-}
-
-func (p *progress) done() {
-	if p.w == nil {
-		return
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	fmt.Fprint(p.w, "\r\033[K")
-}

@@ -25,6 +25,7 @@ import (
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/order"
 	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/pipeline"
 )
 
 const (
@@ -342,8 +343,13 @@ func (s *scenario) waitDrained(timeout time.Duration) {
 	var lag int64
 	for time.Now().Before(deadline) {
 		lag = 0
+		_ = client.RefreshMetadata(s.topic)
 		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
-			lag += groupLag(s.t, client, admin, g, s.topic)
+			l, err := pipeline.GroupLag(client, admin, g, s.topic)
+			if err != nil {
+				l = 1 << 30 // not known yet: not drained
+			}
+			lag += l
 		}
 		if lag == 0 {
 			return
@@ -351,29 +357,6 @@ func (s *scenario) waitDrained(timeout time.Duration) {
 		time.Sleep(250 * time.Millisecond)
 	}
 	s.t.Errorf("consumer lag still %d after %s", lag, timeout)
-}
-
-func groupLag(t *testing.T, client sarama.Client, admin sarama.ClusterAdmin, group, topic string) int64 {
-	t.Helper()
-	_ = client.RefreshMetadata(topic)
-	resp, err := admin.ListConsumerGroupOffsets(group, nil)
-	if err != nil {
-		return 1 << 30
-	}
-	partitions, _ := client.Partitions(topic)
-	var lag int64
-	for _, p := range partitions {
-		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return 1 << 30
-		}
-		committed := int64(0)
-		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
-			committed = b.Offset
-		}
-		lag += end - committed
-	}
-	return lag
 }
 
 // outcomes reads every consumer process's log: per group and outcome, the

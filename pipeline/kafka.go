@@ -110,6 +110,33 @@ func EnsureTopics(ctx context.Context, brokers []string, version sarama.KafkaVer
 	return nil
 }
 
+// GroupLag is how many messages of topic the consumer group has not
+// committed yet, summed over partitions (a partition without a committed
+// offset counts from 0). Zero means the group drained the topic.
+func GroupLag(client sarama.Client, admin sarama.ClusterAdmin, group, topic string) (int64, error) {
+	resp, err := admin.ListConsumerGroupOffsets(group, nil)
+	if err != nil {
+		return 0, fmt.Errorf("offsets of group %s: %w", group, err)
+	}
+	partitions, err := client.Partitions(topic)
+	if err != nil {
+		return 0, fmt.Errorf("partitions of %s: %w", topic, err)
+	}
+	var lag int64
+	for _, p := range partitions {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, fmt.Errorf("end offset of %s/%d: %w", topic, p, err)
+		}
+		committed := int64(0)
+		if b := resp.GetBlock(topic, p); b != nil && b.Offset >= 0 {
+			committed = b.Offset
+		}
+		lag += end - committed
+	}
+	return lag, nil
+}
+
 // unmarshaler never fails: watermill-kafka stops consuming a partition on an
 // unmarshal error, and a bad payload must reach the dead-letter topic instead.
 // Payload validation happens in the router.

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/retention"
 )
@@ -58,7 +59,7 @@ func (b *benchRetentionCmd) Run(ctx context.Context, d deps) error {
 	_ = pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync')`).Scan(&version, &fsync)
 	defer cleanupBench(pool)
 
-	progress := newProgress(d.stderr)
+	progress := progress.New(d.stderr)
 	drop, err := b.measureDrop(ctx, pool, progress)
 	if err != nil {
 		return err
@@ -75,7 +76,7 @@ func (b *benchRetentionCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
-	progress.done()
+	progress.Done()
 
 	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(d.stdout, "retention benchmark: N = %d rows, PostgreSQL %s (fsync=%s)\n\n", b.Rows, version, fsync)
@@ -107,7 +108,7 @@ func cleanupBench(pool *pgxpool.Pool) {
 
 // loadDay copies N claims with UUIDv7 ids spread over benchDay into
 // processed_event, where they land in the day's partition or the default one.
-func (b *benchRetentionCmd) loadDay(ctx context.Context, pool *pgxpool.Pool, p *progress, what string) error {
+func (b *benchRetentionCmd) loadDay(ctx context.Context, pool *pgxpool.Pool, p *progress.Line, what string) error {
 	step := 24 * time.Hour / time.Duration(b.Rows)
 	const chunk = 50000
 	for start := 0; start < b.Rows; start += chunk {
@@ -124,12 +125,12 @@ func (b *benchRetentionCmd) loadDay(ctx context.Context, pool *pgxpool.Pool, p *
 		if _, err := pool.CopyFrom(ctx, pgx.Identifier{"processed_event"}, []string{"event_id", "consumer_group", "payload_sha256"}, pgx.CopyFromRows(rows)); err != nil {
 			return fmt.Errorf("load %s: %w", what, err)
 		}
-		p.update("loading %s: %d/%d rows", what, start+n, b.Rows)
+		p.Set("loading %s: %d/%d rows", what, start+n, b.Rows)
 	}
 	return nil
 }
 
-func (b *benchRetentionCmd) measureDrop(ctx context.Context, pool *pgxpool.Pool, p *progress) (time.Duration, error) {
+func (b *benchRetentionCmd) measureDrop(ctx context.Context, pool *pgxpool.Pool, p *progress.Line) (time.Duration, error) {
 	cfg := retention.Config{DB: pool, Logger: quiet, Now: func() time.Time { return benchDay.Add(time.Hour) }}
 	if _, err := retention.Run(ctx, cfg); err != nil {
 		return 0, err
@@ -143,7 +144,7 @@ func (b *benchRetentionCmd) measureDrop(ctx context.Context, pool *pgxpool.Pool,
 	// no partitions to create and no rows to delete, it times the drop alone.
 	cfg.Mode = retention.Delete
 	cfg.Now = func() time.Time { return benchDay.AddDate(0, 0, 8) }
-	p.update("dropping the partition")
+	p.Set("dropping the partition")
 	start := time.Now()
 	rep, err := retention.Run(ctx, cfg)
 	took := time.Since(start)
@@ -156,12 +157,12 @@ func (b *benchRetentionCmd) measureDrop(ctx context.Context, pool *pgxpool.Pool,
 	return took, nil
 }
 
-func (b *benchRetentionCmd) measureDelete(ctx context.Context, pool *pgxpool.Pool, p *progress) (time.Duration, error) {
+func (b *benchRetentionCmd) measureDelete(ctx context.Context, pool *pgxpool.Pool, p *progress.Line) (time.Duration, error) {
 	// With the day's partition gone, the same rows land in the default partition.
 	if err := b.loadDay(ctx, pool, p, "the default partition"); err != nil {
 		return 0, err
 	}
-	p.update("deleting in batches")
+	p.Set("deleting in batches")
 	start := time.Now()
 	rep, err := retention.Run(ctx, retention.Config{DB: pool, Mode: retention.Delete, BatchSize: 5000, Logger: quiet,
 		Now: func() time.Time { return benchDay.AddDate(0, 0, 8) }})
@@ -184,7 +185,7 @@ type insertFigures struct {
 
 // measureInserts claims N ids, 1,000 per statement, into a table shaped like
 // processed_event: the B-tree work per row is what differs between id kinds.
-func (b *benchRetentionCmd) measureInserts(ctx context.Context, pool *pgxpool.Pool, table string, next func() uuid.UUID, p *progress) (insertFigures, error) {
+func (b *benchRetentionCmd) measureInserts(ctx context.Context, pool *pgxpool.Pool, table string, next func() uuid.UUID, p *progress.Line) (insertFigures, error) {
 	if _, err := pool.Exec(ctx, benchSchemaSQL); err != nil {
 		return insertFigures{}, err
 	}
@@ -205,7 +206,7 @@ func (b *benchRetentionCmd) measureInserts(ctx context.Context, pool *pgxpool.Po
 		}
 		spent += time.Since(start)
 		if done%50000 == 0 {
-			p.update("claiming into %s: %d/%d rows", table, done, b.Rows)
+			p.Set("claiming into %s: %d/%d rows", table, done, b.Rows)
 		}
 	}
 	var size int64
@@ -214,23 +215,3 @@ func (b *benchRetentionCmd) measureInserts(ctx context.Context, pool *pgxpool.Po
 	}
 	return insertFigures{rate: float64(b.Rows) / spent.Seconds(), indexBytes: size}, nil
 }
-
-// progress rewrites one status line on the terminal (stderr) while a long
-// command runs.
-type progress struct {
-	w     io.Writer
-	start time.Time
-	last  time.Time
-}
-
-func newProgress(w io.Writer) *progress { return &progress{w: w, start: time.Now()} }
-
-func (p *progress) update(format string, args ...any) {
-	if time.Since(p.last) < 200*time.Millisecond {
-		return
-	}
-	p.last = time.Now()
-	fmt.Fprintf(p.w, "\r\033[K[%5.1fs] %s", time.Since(p.start).Seconds(), fmt.Sprintf(format, args...))
-}
-
-func (p *progress) done() { fmt.Fprint(p.w, "\r\033[K") }

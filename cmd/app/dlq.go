@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/pipeline"
 )
 
@@ -20,13 +21,13 @@ type dlqReplayCmd struct {
 }
 
 func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
-	p := newProgress(d.stderr)
+	p := progress.New(d.stderr)
 	rep, err := dlq.Replay(ctx, dlq.Config{
 		Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
 		DLQTopic: c.Kafka.DLQTopic, Topic: c.Kafka.Topic, Group: c.Group, MaxAge: c.MaxAge,
-		Progress: func(done, total int64) { p.update("replaying %d/%d", done, total) },
+		Progress: func(done, total int64) { p.Set("replaying %d/%d", done, total) },
 	})
-	p.done()
+	p.Done()
 	if err != nil {
 		return err
 	}
