@@ -23,9 +23,9 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/payment"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/payment"
 )
 
 const (

@@ -11,8 +11,8 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
 )
 
 // BenchmarkCommitModes compares the two offset commit modes end to end, side

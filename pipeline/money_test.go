@@ -12,13 +12,13 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/handlers/analytics"
-	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/payment"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/billing"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/payment"
 )
 
 // providerFor runs the payment provider simulator over real loopback HTTP and

@@ -15,7 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/service/order"
 )
 
 // Handler is the business logic of one consumer group. It runs at most once

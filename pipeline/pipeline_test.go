@@ -21,8 +21,8 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
 )
 
 const createEffects = `CREATE TABLE IF NOT EXISTS pipeline_test_effect (

@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/progress"
-	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/service/migrations"
 )
 
 type benchRetentionCmd struct {

@@ -6,8 +6,8 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/once-dev/once/demo"
-	"github.com/once-dev/once/migrations"
+	"github.com/once-dev/once/service/demo"
+	"github.com/once-dev/once/service/migrations"
 )
 
 type demoCmd struct {

@@ -12,9 +12,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/orders"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/orders"
 )
 
 type ordersCmd struct {

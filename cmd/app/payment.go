@@ -10,7 +10,7 @@ import (
 
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/service/payment"
 )
 
 // paymentSettings configure billing's client of the payment provider.

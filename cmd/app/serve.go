@@ -9,11 +9,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/once-dev/once/handlers/analytics"
-	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/billing"
 )
 
 type serveCmd struct {

@@ -18,7 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/once-dev/once/migrations"
+	"github.com/once-dev/once/service/migrations"
 )
 
 func need(t testing.TB, name string) string {

@@ -9,8 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/payment"
 )
 
 // Charger is the part of [payment.Client] billing needs.

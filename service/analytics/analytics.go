@@ -6,7 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/service/order"
 )
 
 const addOrderSQL = `INSERT INTO analytics.customer_daily_revenue AS r (customer_id, day, currency, revenue, order_count)

@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/once-dev/once/demo"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/service/demo"
 )
 
 // The demo, small: it must end in PASS with duplicates actually delivered

@@ -15,8 +15,8 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/orders"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/orders"
 )
 
 type fixture struct {

@@ -10,7 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/service/order"
 )
 
 func doc(fields map[string]string) []byte {

@@ -12,11 +12,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/service/billing"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/payment"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, *payment.Client) {

@@ -14,7 +14,7 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/service/payment"
 )
 
 // counters counts outcomes per consumer group.

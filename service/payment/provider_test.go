@@ -15,7 +15,7 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/payment"
+	"github.com/once-dev/once/service/payment"
 )
 
 // provider runs the simulator on a real loopback HTTP server and returns a

@@ -25,14 +25,14 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/dlq"
-	"github.com/once-dev/once/handlers/analytics"
-	"github.com/once-dev/once/handlers/billing"
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/order"
-	"github.com/once-dev/once/orders"
-	"github.com/once-dev/once/payment"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/billing"
+	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/service/orders"
+	"github.com/once-dev/once/service/payment"
 )
 
 // Config configures a demo run. Zero values of optional fields work.

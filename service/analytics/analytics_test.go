@@ -8,9 +8,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/handlers/analytics"
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/order"
 )
 
 // Two orders of one customer on one day add up; the handler itself is not

@@ -18,7 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/order"
+	"github.com/once-dev/once/service/order"
 )
 
 // DefaultOutboxTopic names the outbox (table watermill_orders_outbox).
