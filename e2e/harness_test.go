@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -54,8 +56,12 @@ type scenario struct {
 	events    []order.Confirmed
 	declined  []order.Confirmed // priced above the provider's decline limit
 	poison    [][]byte
-	customers []uuid.UUID
-	procs     []*proc
+	customers []int64
+	// analytics' totals of the customers before the scenario: customers of
+	// another producer (the Python one) are not the scenario's alone.
+	baseRevenue decimal.Decimal
+	baseOrders  int
+	procs       []*proc
 	kills     int
 	restarts  int
 	rebal     int
@@ -96,8 +102,10 @@ func newScenario(t *testing.T, name string, partitions int32) *scenario {
 		t.Fatal(err)
 	}
 	s.producer = p
-	for range 20 {
-		s.customers = append(s.customers, uuid.New())
+	// Customers of this scenario only: analytics' totals are per customer.
+	first := (1 + rand.Int64N(1<<40)) * 100
+	for i := range int64(20) {
+		s.customers = append(s.customers, first+i)
 	}
 	t.Cleanup(func() {
 		for _, pr := range s.procs {
@@ -109,6 +117,17 @@ func newScenario(t *testing.T, name string, partitions int32) *scenario {
 }
 
 func (s *scenario) group(name string) string { return name + s.suffix }
+
+// useCustomers makes ids the scenario's customers, whose analytics totals
+// verify checks, counting from what they hold now.
+func (s *scenario) useCustomers(ids []int64) {
+	s.t.Helper()
+	s.customers = ids
+	if err := s.pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
+		FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, ids).Scan(&s.baseRevenue, &s.baseOrders); err != nil {
+		s.t.Fatal(err)
+	}
+}
 
 // proc is one running app process.
 type proc struct {
@@ -238,8 +257,8 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 
 func (s *scenario) newEvent(amount decimal.Decimal) order.Confirmed {
 	s.t.Helper()
-	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.Must(uuid.NewV7()),
-		s.customers[len(s.events)%len(s.customers)], amount, "EUR")
+	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62),
+		s.customers[len(s.events)%len(s.customers)], amount)
 	if err != nil {
 		s.t.Fatal(err)
 	}
@@ -276,7 +295,7 @@ func (s *scenario) sendEvent(ev order.Confirmed, list *[]order.Confirmed) {
 	*list = append(*list, ev)
 	s.mu.Unlock()
 	b, _ := ev.MarshalJSON()
-	s.send(ev.OrderID().String(), b)
+	s.send(strconv.FormatInt(ev.OrderID(), 10), b)
 }
 
 // publishDeclined sends n events the provider declines: billing records them
@@ -298,7 +317,7 @@ func (s *scenario) republish(events []order.Confirmed, otherKey bool) {
 	s.t.Helper()
 	for _, ev := range events {
 		b, _ := ev.MarshalJSON()
-		key := ev.OrderID().String()
+		key := strconv.FormatInt(ev.OrderID(), 10)
 		if otherKey {
 			key = "elsewhere-" + key
 		}
@@ -436,9 +455,9 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	ids := make([]uuid.UUID, 0, len(s.events))
 	total := decimal.Zero
 	for _, ev := range s.events {
-		want[ev.OrderID().String()] = ev
+		want[strconv.FormatInt(ev.OrderID(), 10)] = ev
 		ids = append(ids, ev.EventID())
-		total = total.Add(ev.Amount())
+		total = total.Add(ev.TotalAmount())
 	}
 	charged := map[string]int{}
 	for _, c := range ledger.Charges {
@@ -475,9 +494,9 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	declinedTotal := decimal.Zero
 	for _, ev := range s.declined {
 		declinedIDs = append(declinedIDs, ev.EventID())
-		declinedTotal = declinedTotal.Add(ev.Amount())
-		if charged[ev.OrderID().String()] > 0 {
-			t.Errorf("declined order %s was charged", ev.OrderID())
+		declinedTotal = declinedTotal.Add(ev.TotalAmount())
+		if charged[strconv.FormatInt(ev.OrderID(), 10)] > 0 {
+			t.Errorf("declined order %d was charged", ev.OrderID())
 		}
 	}
 	var failed int
@@ -492,6 +511,7 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	if err := s.pool.QueryRow(ctx, `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0) FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, s.customers).Scan(&revenue, &count); err != nil {
 		t.Fatal(err)
 	}
+	revenue, count = revenue.Sub(s.baseRevenue), count-s.baseOrders
 	if all := total.Add(declinedTotal); !revenue.Equal(all) || count != len(s.events)+len(s.declined) {
 		t.Errorf("analytics: %s over %d orders; want %s over %d", revenue, count, all, len(s.events)+len(s.declined))
 	}

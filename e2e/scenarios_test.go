@@ -258,8 +258,8 @@ func TestPoisonMessages(t *testing.T) {
 	s.consumer("consumer-a")
 	poison := [][]byte{
 		[]byte(`{"event_id": "019ae0a5-3c1e-7b6a`),
-		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"5.00","currency":"EUR"}`, uuid.New(), uuid.New(), uuid.New()),
-		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-5.00","currency":"EUR"}`, uuid.Must(uuid.NewV7()), uuid.New(), uuid.New()),
+		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"5.00"}`, uuid.New()),
+		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"-5.00"}`, uuid.Must(uuid.NewV7())),
 		fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","padding":%q}`, uuid.Must(uuid.NewV7()), strings.Repeat("x", 900<<10)),
 	}
 	for _, p := range poison {

@@ -2,6 +2,7 @@ package pipeline_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -30,7 +31,7 @@ func BenchmarkCommitModes(b *testing.B) {
 			for i := range msgs {
 				ev := validEvent(b, "1.00")
 				p, _ := ev.MarshalJSON()
-				msgs[i] = &sarama.ProducerMessage{Topic: e.topic, Key: sarama.StringEncoder(ev.OrderID().String()), Value: sarama.ByteEncoder(p)}
+				msgs[i] = &sarama.ProducerMessage{Topic: e.topic, Key: sarama.StringEncoder(fmt.Sprint(ev.OrderID())), Value: sarama.ByteEncoder(p)}
 			}
 			for i := 0; i < len(msgs); i += 500 {
 				if err := e.prod.SendMessages(msgs[i:min(i+500, len(msgs))]); err != nil {
@@ -41,7 +42,7 @@ func BenchmarkCommitModes(b *testing.B) {
 			var first, last time.Time
 			processed := 0
 			all := make(chan struct{})
-			cfg := e.config(pipeline.Group{Name: uniqueGroup("bench"), Handler: pipeline.HandlerFunc(func(context.Context, pgx.Tx, order.Confirmed) error { return nil })})
+			cfg := e.config(pipeline.Group[order.Confirmed]{Name: uniqueGroup("bench"), Handle: func(context.Context, pgx.Tx, order.Confirmed) error { return nil }})
 			cfg.CommitMode = mode
 			cfg.OnResult = func(r idempotency.Result) {
 				mu.Lock()

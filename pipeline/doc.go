@@ -1,48 +1,53 @@
-// Package pipeline builds the Watermill router that runs the consumer groups
-// of the order-confirmed topic: one handler per group, each with its own Kafka
-// consumer group and its own idempotency middleware, so that the groups keep
-// independent dedup (R-KFK-IDEM-2).
+// Package pipeline runs Kafka consumer groups whose database effects happen
+// exactly once, on any topics and event types, in one Watermill router.
 //
-// # Middleware order, outermost first
+// A team describes each topic as a [Topic] of its own event type E (any type
+// with an EventID() uuid.UUID method): a [Decoder] from payload to E and the
+// consumer groups that read it, each a [Group] with a [HandlerFunc]
+// func(ctx, tx pgx.Tx, ev E) error. [New] wires every (topic, group) into
+// the router with its own Kafka consumer group, its own dedup key and the
+// whole safety chain; [Pipeline.Run] runs it.
+//
+//	p, err := pipeline.New(pipeline.Config{Brokers: brokers, DB: pool, Topics: []pipeline.Binding{
+//		pipeline.Topic[Shipped]{Name: "shipment.dispatched.v1", Decode: DecodeShipped,
+//			Groups: []pipeline.Group[Shipped]{{Name: "parcels", Handle: countParcels}}},
+//	}})
+//
+// The handler runs inside the transaction that claims (event id, group) in
+// the claim table (package schema creates it; package idempotency claims):
+// its writes and the claim commit together, and the offset is committed only
+// after. A duplicate is skipped before the handler runs.
+//
+// # The safety chain, outermost first
 //
 //  1. release-revoked: a message given up because its partition was revoked
-//     is acknowledged without processing; watermill-kafka does not mark the
-//     offset of a message acknowledged after its session ended, so the new
-//     owner receives it again.
-//  2. correlation id: carried into anything the handler publishes.
-//  3. poison queue: a message that can never succeed, or still fails after
-//     the retries, goes to the dead-letter topic with the reason in the
-//     "reason_poisoned" header, and is acknowledged: it never blocks its
-//     partition.
-//  4. shutdown guard: an error caused by the router closing is neither
-//     retried nor dead-lettered; the message stays uncommitted.
-//  5. retry: a failure of this message's processing (a 5xx from the payment
-//     provider, a handler bug) is retried a bounded number of times with
-//     exponential backoff. Errors marked [idempotency.Permanent] are not.
-//  6. recoverer: a panic becomes an error (after the idempotency middleware
-//     rolled its transaction back).
-//  7. validation: the payload is decoded into an [order.Confirmed]; anything
-//     else is permanent.
-//  8. idempotency, innermost: claim, handler, commit in one transaction.
+//     is left, unmarked, to the partition's new owner.
+//  2. Extra.Observe: the team's middleware that sees every delivery's end.
+//  3. correlation id.
+//  4. dead letter: a permanent failure goes to the topic's DLQ with its
+//     reason in the "reason_poisoned" header, and is acknowledged.
+//  5. shutdown guard: an error while the pipeline stops (decided by the
+//     pipeline, never by a message context a middleware may have shortened)
+//     is neither retried nor dead-lettered.
+//  6. retry with backoff of what is not permanent.
+//  7. recoverer: a panic becomes an error after the transaction rolled back.
+//  8. decode: the payload becomes an E, or the message is permanent.
+//  9. Extra.BeforeClaim.
+//  10. claim (package idempotency), with the transaction in the context.
+//  11. Extra.InTx, for first deliveries, then the handler. A chain that
+//     returns messages to publish is refused ([ErrReturnedMessages]).
 //
-// # Database outages
+// Middleware of a team's own [Config.Router] runs outside all of this.
+// Each group may keep its claims and tables in a database of its own
+// ([Group.DB]); migrate and retain each of them.
 //
-// An unreachable PostgreSQL is never the message's fault: the idempotency
-// middleware holds the message and retries with backoff until the database is
-// back, and no retry budget or dead-letter is spent on it. watermill-kafka
-// resends a nacked message forever without watching the consumer-group
-// session, so the old owner of a revoked partition would keep processing it.
-// The pipeline therefore records the session of every claimed partition (via
-// watermill-kafka's tracer hook) and the middleware stops waiting as soon as
-// that session ends: the rebalance proceeds, and the message is left, with its
-// offset uncommitted, to the partition's new owner.
+// # Partitions and offsets
 //
-// # Offsets
-//
-// Only acknowledged messages are ever marked, and a message is acknowledged
-// only after its transaction committed (or it was a duplicate or was
-// dead-lettered). [CommitInterval], the default, lets sarama commit marked
-// offsets every second: a crash then redelivers at most a second of processed
-// events, which the claim skips. [CommitSync] commits after every message:
-// fewer redeliveries, one broker round trip per message.
+// While a message cannot be processed (the database is down), the consumer
+// still gives its partition up on a rebalance: the pipeline records each
+// partition's consumer-group session and the claim's wait ends when it does.
+// Only acknowledged messages are ever marked. [CommitInterval], the default,
+// commits marked offsets every second: a crash redelivers at most a second
+// of processed events, which the claim skips. [CommitSync] commits after
+// every message.
 package pipeline

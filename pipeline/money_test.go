@@ -3,6 +3,7 @@ package pipeline_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -56,13 +57,13 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	client, requests := providerFor(t, e, payment.Faults{ResetAfterChargeRate: 1}, payment.ClientConfig{MaxAttempts: 1})
 	group := uniqueGroup("billing")
 	var seen outcomes
-	cfg := e.config(pipeline.Group{Name: group, Handler: billing.Handler{Payments: client}})
+	cfg := e.config(pipeline.Group[order.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR"}.Handle})
 	cfg.RetryInitialInterval = 10 * time.Millisecond
 	cfg.OnResult = seen.record
 	run(t, cfg)
 
 	ev := validEvent(t, "49.90")
-	testenv.Publish(t, e.prod, e.topic, ev.OrderID().String(), payload(t, ev))
+	testenv.Publish(t, e.prod, e.topic, fmt.Sprint(ev.OrderID()), payload(t, ev))
 	testenv.Eventually(t, 60*time.Second, "the event processed", func() bool { return seen.get(group, idempotency.Processed) == 1 })
 
 	if f := seen.get(group, idempotency.Failed); f != 1 {
@@ -94,20 +95,21 @@ func TestThousandEventsPublishedTwiceThroughBothGroups(t *testing.T) {
 	billingGroup, analyticsGroup := uniqueGroup("billing"), uniqueGroup("analytics")
 	var seen outcomes
 	cfg := e.config(
-		pipeline.Group{Name: billingGroup, Handler: billing.Handler{Payments: client}},
-		pipeline.Group{Name: analyticsGroup, Handler: analytics.Handler{}},
+		pipeline.Group[order.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR"}.Handle},
+		pipeline.Group[order.Confirmed]{Name: analyticsGroup, Handle: analytics.Handler{}.Handle},
 	)
 	cfg.OnResult = seen.record
 
-	customers := make([]uuid.UUID, 37)
+	customers := make([]int64, 37)
+	first := 1 + rand.Int64N(1<<50)
 	for i := range customers {
-		customers[i] = uuid.New()
+		customers[i] = first + int64(i)
 	}
 	total := decimal.Zero
 	batch := make([]order.Confirmed, events)
 	for i := range batch {
 		amount := decimal.New(int64(100+i*7%9000), -2) // 1.00 .. 90.99
-		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.New(), customers[i%len(customers)], amount, "EUR")
+		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62), customers[i%len(customers)], amount)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -118,7 +120,7 @@ func TestThousandEventsPublishedTwiceThroughBothGroups(t *testing.T) {
 	run(t, cfg)
 	for round := range 2 {
 		for _, ev := range batch {
-			testenv.Publish(t, e.prod, e.topic, fmt.Sprintf("%s-%d", ev.OrderID(), round), payload(t, ev))
+			testenv.Publish(t, e.prod, e.topic, fmt.Sprintf("%d-%d", ev.OrderID(), round), payload(t, ev))
 		}
 	}
 	for _, g := range []string{billingGroup, analyticsGroup} {

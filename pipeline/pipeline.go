@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -12,52 +14,38 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/service/order"
 )
 
-// Handler is the business logic of one consumer group. It runs at most once
-// per event and group to completion: tx holds the event's claim, and every
-// write that must happen once goes through it. Return an error marked
-// [idempotency.Permanent] for an event that can never succeed.
-type Handler interface {
-	Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error
-}
-
-// HandlerFunc adapts a function to [Handler].
-type HandlerFunc func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error
-
-func (f HandlerFunc) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
-	return f(ctx, tx, ev)
-}
-
-// Group is one consumer group on the topic.
-type Group struct {
-	Name    string
-	Handler Handler
-	// TooOld is the group's policy for events beyond Config.MaxEventAge.
-	// Default: idempotency.RejectTooOld.
-	TooOld idempotency.TooOldPolicy
-}
-
-// Config configures a [Pipeline]. Optional fields have working zero values.
+// Config configures a [Pipeline]. Optional fields have working zero values;
+// each field's documentation ends with its default.
 type Config struct {
-	Brokers  []string
-	Topic    string
-	DLQTopic string
-	Groups   []Group
-	DB       idempotency.TxBeginner
-
-	// KafkaVersion is the broker's version, e.g. "4.3.1". Default: [DefaultKafkaVersion].
+	// Brokers are the Kafka bootstrap addresses. Required.
+	Brokers []string
+	// KafkaVersion is the brokers' version, e.g. "4.3.1". Default: [DefaultKafkaVersion].
 	KafkaVersion string
-	// CommitMode: [CommitInterval] (default) or [CommitSync].
-	CommitMode     CommitMode
-	CommitInterval time.Duration // default 1s
+	// DB is the database of every group that names none of its own.
+	// Required unless every group has a DB.
+	DB DB
+	// Topics to consume: [Topic] values of any event types. At least one.
+	Topics []Binding
+	// Router to add the handlers to, keeping its own router-level middleware
+	// (which runs outside the safety chain). Default: a router of the pipeline's.
+	Router *message.Router
 
-	// MaxRetries of a failing message before it is dead-lettered. Default 5;
-	// set NoRetries for none.
+	// ClaimSchema and ClaimTable name the claim table in every group's
+	// database, as package schema created it. Defaults: "public", "processed_event".
+	ClaimSchema string
+	ClaimTable  string
+
+	// CommitMode: [CommitInterval] or [CommitSync]. Default: CommitInterval.
+	CommitMode CommitMode
+	// CommitInterval of CommitInterval mode. Default: 1s.
+	CommitInterval time.Duration
+
+	// MaxRetries of a failing message before it is dead-lettered; set
+	// [NoRetries] for none. Default: 5.
 	MaxRetries int
 	// RetryInitialInterval doubles per retry up to RetryMaxInterval.
 	// Defaults: 100ms and 2s.
@@ -65,30 +53,50 @@ type Config struct {
 	RetryMaxInterval     time.Duration
 
 	// SessionTimeout of the consumer-group membership: how long the broker
-	// waits for a crashed member before giving its partitions to others.
-	// Default: sarama's 10s; the broker allows 6s at least.
+	// waits for a crashed member before giving its partitions to others; the
+	// broker allows 6s at least. Default: sarama's 10s.
 	SessionTimeout time.Duration
-
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
 
 	// MaxEventAge is the dedup horizon (the claim retention minus
-	// MaxClockSkew); MaxClockSkew bounds ids from the future. 0 disables each.
-	// See idempotency.Config.
+	// MaxClockSkew); MaxClockSkew bounds ids from the future. See
+	// idempotency.Config. Default: 0 for both, which disables each check.
 	MaxEventAge  time.Duration
 	MaxClockSkew time.Duration
 
-	// OnResult receives the idempotency outcome of every message of every group.
+	// OnResult receives the idempotency outcome of every claim attempt of
+	// every group. Default: none.
 	OnResult func(idempotency.Result)
-	// OnDelivered is called for every message a group's handler chain receives.
-	OnDelivered func(group string)
-	// OnDeadLetter is called after a message was published to the dead-letter topic.
-	OnDeadLetter func(group, reason string)
+	// OnDelivered is called for every message a group's chain receives.
+	// Default: none.
+	OnDelivered func(Delivery)
+	// OnDeadLetter is called after a message was published to its topic's
+	// dead-letter topic. Default: none.
+	OnDeadLetter func(DeadLetter)
 
+	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 
 	kafkaVersion sarama.KafkaVersion
+	topics       []topicBinding
+}
+
+// Delivery says where a message came from: the parameters of [Config.OnDelivered].
+type Delivery struct {
+	Topic     string
+	Group     string
+	Partition int32
+	Offset    int64
+}
+
+// DeadLetter describes a message published to a dead-letter topic: the
+// parameters of [Config.OnDeadLetter].
+type DeadLetter struct {
+	Delivery
+	DLQ    string
+	Reason string
 }
 
 // NoRetries as [Config.MaxRetries] dead-letters a failing message at once.
@@ -107,9 +115,6 @@ func (c *Config) setDefaults() {
 	if c.MaxRetries == 0 {
 		c.MaxRetries = 5
 	}
-	if c.MaxRetries == NoRetries {
-		c.MaxRetries = 0
-	}
 	if c.RetryInitialInterval == 0 {
 		c.RetryInitialInterval = 100 * time.Millisecond
 	}
@@ -124,48 +129,65 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first missing or impossible setting.
+// Validate reports every missing or impossible setting at once. It has no
+// side effects.
 func (c *Config) Validate() error {
+	var errs []error
 	var err error
 	if c.kafkaVersion, err = ParseKafkaVersion(c.KafkaVersion); err != nil {
-		return fmt.Errorf("pipeline: KafkaVersion: %w", err)
+		errs = append(errs, fmt.Errorf("pipeline: KafkaVersion: %w", err))
 	}
-	switch {
-	case len(c.Brokers) == 0:
-		return errors.New("pipeline: Brokers is empty")
-	case c.Topic == "":
-		return errors.New("pipeline: Topic is empty")
-	case c.DLQTopic == "" || c.DLQTopic == c.Topic:
-		return errors.New("pipeline: DLQTopic must be set and differ from Topic")
-	case c.DB == nil:
-		return errors.New("pipeline: DB is nil")
-	case len(c.Groups) == 0:
-		return errors.New("pipeline: no consumer groups")
-	case c.CommitMode != CommitInterval && c.CommitMode != CommitSync:
-		return fmt.Errorf("pipeline: CommitMode %q: want %q or %q", c.CommitMode, CommitInterval, CommitSync)
-	case c.MaxRetries < 0:
-		return errors.New("pipeline: MaxRetries must not be negative")
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("pipeline: Brokers is empty"))
 	}
-	seen := map[string]bool{}
-	for _, g := range c.Groups {
-		if g.Name == "" || g.Handler == nil {
-			return errors.New("pipeline: every group needs a name and a handler")
+	if len(c.Topics) == 0 {
+		errs = append(errs, errors.New("pipeline: no Topics"))
+	}
+	if c.CommitMode != CommitInterval && c.CommitMode != CommitSync {
+		errs = append(errs, fmt.Errorf("pipeline: CommitMode %q: want %q or %q", c.CommitMode, CommitInterval, CommitSync))
+	}
+	if c.MaxRetries < NoRetries {
+		errs = append(errs, errors.New("pipeline: MaxRetries must not be negative (NoRetries for none)"))
+	}
+	if c.CommitInterval < 0 || c.RetryInitialInterval < 0 || c.RetryMaxInterval < 0 || c.SessionTimeout < 0 || c.CloseTimeout < 0 {
+		errs = append(errs, errors.New("pipeline: durations must not be negative"))
+	}
+	c.topics = c.topics[:0]
+	names := map[string]bool{}
+	for _, t := range c.Topics {
+		if t == nil {
+			errs = append(errs, errors.New("pipeline: a nil Topics entry"))
+			continue
 		}
-		if seen[g.Name] {
-			return fmt.Errorf("pipeline: group %q listed twice", g.Name)
+		b, err := t.binding()
+		errs = append(errs, err)
+		if names[b.name] {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s listed twice", b.name))
 		}
-		seen[g.Name] = true
+		names[b.name] = true
+		for i, g := range b.groups {
+			if g.db == nil {
+				b.groups[i].db = c.DB
+				if c.DB == nil {
+					errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: no DB, and Config.DB is nil", b.name, g.name))
+				}
+			}
+		}
+		c.topics = append(c.topics, b)
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
-// Pipeline is a Watermill router with one handler per consumer group.
+// Pipeline runs consumer groups on topics in one Watermill router.
 type Pipeline struct {
-	router  *message.Router
-	closers []func() error
+	cfg      Config
+	router   *message.Router
+	ownsRun  bool
+	stopping atomic.Bool
+	closers  []func() error
 }
 
-// New builds the router. It connects to nothing until [Pipeline.Run].
+// New builds the router's handlers. It connects to nothing until [Pipeline.Run].
 func New(cfg Config) (*Pipeline, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -174,11 +196,14 @@ func New(cfg Config) (*Pipeline, error) {
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 		slog.LevelInfo: slog.LevelDebug, // Watermill's info lines are per subscription detail
 	})
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, wlog)
-	if err != nil {
-		return nil, err
+	p := &Pipeline{cfg: cfg, router: cfg.Router}
+	if p.router == nil {
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, wlog)
+		if err != nil {
+			return nil, err
+		}
+		p.router = r
 	}
-	p := &Pipeline{router: router}
 
 	dlq, err := kafka.NewPublisher(kafka.PublisherConfig{
 		Brokers:               cfg.Brokers,
@@ -190,183 +215,121 @@ func New(cfg Config) (*Pipeline, error) {
 	}
 	p.closers = append(p.closers, dlq.Close)
 
-	for _, g := range cfg.Groups {
-		if err := p.addGroup(cfg, g, dlq, wlog); err != nil {
-			p.Close()
-			return nil, err
+	for _, t := range cfg.topics {
+		for _, g := range t.groups {
+			if err := p.addGroup(t, g, dlq, wlog); err != nil {
+				p.Close()
+				return nil, err
+			}
 		}
 	}
 	return p, nil
 }
 
-func (p *Pipeline) addGroup(cfg Config, g Group, dlq message.Publisher, wlog watermill.LoggerAdapter) error {
+// Run runs the router until ctx is cancelled or every handler stopped, then
+// closes it, letting in-flight messages finish (their commits survive the
+// cancellation; see the idempotency package), and releases the Kafka clients.
+// If you passed your own Router and run it yourself instead, call
+// [Pipeline.Close] after it stopped.
+func (p *Pipeline) Run(ctx context.Context) error {
+	defer p.Close()
+	go func() {
+		<-ctx.Done()
+		p.stopping.Store(true)
+	}()
+	return p.router.Run(ctx)
+}
+
+// Running is closed once every handler is subscribed.
+func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
+
+// Close stops the router and releases the Kafka clients.
+func (p *Pipeline) Close() error {
+	p.stopping.Store(true)
+	errs := []error{p.router.Close()}
+	for _, c := range p.closers {
+		errs = append(errs, c())
+	}
+	p.closers = nil
+	return errors.Join(errs...)
+}
+
+// stopped reports whether the pipeline or its router is shutting down: an
+// error then is the shutdown's, not the message's. The message context is no
+// evidence either way: a team's middleware may give it a timeout.
+func (p *Pipeline) stopped() bool { return p.stopping.Load() || p.router.IsClosed() }
+
+func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publisher, wlog watermill.LoggerAdapter) error {
+	cfg := p.cfg
 	owners := newSessions()
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers:               cfg.Brokers,
 		Unmarshaler:           unmarshaler{},
-		OverwriteSaramaConfig: subscriberSaramaConfig(cfg),
-		ConsumerGroup:         g.Name,
+		OverwriteSaramaConfig: subscriberSaramaConfig(cfg, g.name),
+		ConsumerGroup:         g.name,
 		Tracer:                owners,
 	}, wlog)
 	if err != nil {
-		return fmt.Errorf("pipeline: subscriber for group %s: %w", g.Name, err)
+		return fmt.Errorf("pipeline: subscriber for topic %s, group %s: %w", t.name, g.name, err)
 	}
 	p.closers = append(p.closers, sub.Close)
 
 	idem, err := idempotency.New(idempotency.Config{
-		DB:               cfg.DB,
-		ConsumerGroup:    g.Name,
+		DB:               g.db,
+		ConsumerGroup:    g.name,
+		Key:              decodedKey,
+		Schema:           cfg.ClaimSchema,
+		Table:            cfg.ClaimTable,
 		PartitionRevoked: owners.revoked,
 		MaxEventAge:      cfg.MaxEventAge,
 		MaxClockSkew:     cfg.MaxClockSkew,
-		TooOld:           g.TooOld,
+		TooOld:           g.tooOld,
 		OnResult:         cfg.OnResult,
 		Logger:           cfg.Logger,
 		LogAttrs:         kafkaLogAttrs,
 	})
 	if err != nil {
-		return err
+		return fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
 	}
 
-	deadLetters := dlq
-	if cfg.OnDeadLetter != nil {
-		deadLetters = observedPublisher{dlq, func(m *message.Message) {
-			cfg.OnDeadLetter(g.Name, m.Metadata.Get(middleware.ReasonForPoisonedKey))
-		}}
-	}
-	poison, err := middleware.PoisonQueueWithFilter(deadLetters, cfg.DLQTopic, shouldDeadLetter)
-	if err != nil {
-		return err
-	}
+	poison := p.deadLetter(t, g, dlq)
 
-	h := p.router.AddConsumerHandler(g.Name, cfg.Topic, sub, adapt(g.Handler))
-	delivered := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			if cfg.OnDelivered != nil {
-				cfg.OnDelivered(g.Name)
-			}
-			return h(msg)
-		}
-	}
-	h.AddMiddleware(
-		delivered,
+	chain := []message.HandlerMiddleware{
+		p.delivered(t.name, g.name),
 		releaseRevoked,
+	}
+	chain = append(chain, g.extra.Observe...)
+	chain = append(chain,
 		middleware.CorrelationID,
 		poison,
-		shutdownGuard,
+		p.shutdownGuard,
 		middleware.Retry{
-			MaxRetries:      cfg.MaxRetries,
+			MaxRetries:      max(cfg.MaxRetries, 0),
 			InitialInterval: cfg.RetryInitialInterval,
 			MaxInterval:     cfg.RetryMaxInterval,
 			Multiplier:      2,
-			ShouldRetry:     func(p middleware.RetryParams) bool { return retryable(p.Err) },
+			ShouldRetry:     func(r middleware.RetryParams) bool { return p.retryable(r.Err) },
 			Logger:          wlog,
 		}.Middleware,
 		middleware.Recoverer,
-		validate,
-		idem.Middleware,
+		decodeWith(g.decode),
 	)
+	chain = append(chain, g.extra.BeforeClaim...)
+	chain = append(chain, idem.Middleware, refuseReturnedMessages)
+	chain = append(chain, g.extra.InTx...)
+
+	h := p.router.AddConsumerHandler(t.name+"/"+g.name, t.name, sub, handleWith(g.handle))
+	h.AddMiddleware(chain...)
 	return nil
 }
 
-// Run consumes until ctx is cancelled or a handler stops, then closes the
-// router, letting in-flight messages finish (their commits survive the
-// cancellation; see the idempotency package).
-func (p *Pipeline) Run(ctx context.Context) error {
-	defer p.Close()
-	return p.router.Run(ctx)
-}
-
-// Running is closed once every consumer group's handler is subscribed.
-func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
-
-// Close stops the router and releases the Kafka clients.
-func (p *Pipeline) Close() error {
-	errs := []error{p.router.Close()}
-	for _, c := range p.closers {
-		errs = append(errs, c())
-	}
-	return errors.Join(errs...)
-}
-
-// errShutdown replaces an error that happened because the router is closing.
-var errShutdown = errors.New("pipeline: stopped while processing; the message stays uncommitted")
-
-func retryable(err error) bool {
-	return !idempotency.IsPermanent(err) && !errors.Is(err, errShutdown) && !errors.Is(err, idempotency.ErrRevoked)
-}
-
-func shouldDeadLetter(err error) bool {
-	return !errors.Is(err, errShutdown) && !errors.Is(err, idempotency.ErrRevoked)
-}
-
-func releaseRevoked(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		if errors.Is(err, idempotency.ErrRevoked) {
-			return nil, nil // see the package documentation: not marked, redelivered to the new owner
-		}
-		return out, err
-	}
-}
-
-func shutdownGuard(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		if err != nil && msg.Context().Err() != nil {
-			return nil, fmt.Errorf("%w: %w", errShutdown, err)
-		}
-		return out, err
-	}
-}
-
-type eventKey struct{}
-
-// validate decodes the payload at the edge, before any database work: an
-// invalid event is permanent and never claims anything.
-func validate(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ev, err := order.Decode(msg.Payload)
-		if err != nil {
-			return nil, idempotency.Permanent(err)
-		}
-		ctx := msg.Context()
-		msg.SetContext(context.WithValue(ctx, eventKey{}, ev))
-		defer msg.SetContext(ctx)
-		return h(msg)
-	}
-}
-
-func adapt(h Handler) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		ctx := msg.Context()
-		tx, err := idempotency.TxFromContext(ctx)
-		if err != nil {
-			return err
-		}
-		ev, ok := ctx.Value(eventKey{}).(order.Confirmed)
-		if !ok {
-			return errors.New("pipeline: no decoded event in the message context")
-		}
-		return h.Handle(ctx, tx, ev)
-	}
+func delivery(topic, group string, msg *message.Message) Delivery {
+	partition, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaPartition), 10, 32)
+	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
+	return Delivery{Topic: topic, Group: group, Partition: int32(partition), Offset: offset}
 }
 
 func kafkaLogAttrs(msg *message.Message) []any {
 	return []any{"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset)}
 }
 
-type observedPublisher struct {
-	message.Publisher
-	published func(*message.Message)
-}
-
-func (o observedPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if err := o.Publisher.Publish(topic, msgs...); err != nil {
-		return err
-	}
-	for _, m := range msgs {
-		o.published(m)
-	}
-	return nil
-}

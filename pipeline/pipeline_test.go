@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"strings"
 	"sync"
@@ -37,9 +38,13 @@ type recorder struct {
 }
 
 func (r *recorder) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+	return r.handle(ctx, tx, ev)
+}
+
+func (r *recorder) handle(ctx context.Context, tx pgx.Tx, ev pipeline.Event) error {
 	r.runs.Add(1)
 	if r.fail != nil {
-		if err := r.fail(ev); err != nil {
+		if err := r.fail(ev.(order.Confirmed)); err != nil {
 			return err
 		}
 	}
@@ -95,15 +100,26 @@ func newEnv(t *testing.T, partitions int32) *env {
 	}
 }
 
-func (e *env) config(groups ...pipeline.Group) pipeline.Config {
+// group is a consumer group of the order-confirmed test topic run by r.
+func group(r *recorder) pipeline.Group[order.Confirmed] {
+	return pipeline.Group[order.Confirmed]{Name: r.group, Handle: r.Handle}
+}
+
+func (e *env) topicOf(groups ...pipeline.Group[order.Confirmed]) pipeline.Topic[order.Confirmed] {
+	return pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed, Groups: groups}
+}
+
+func (e *env) config(groups ...pipeline.Group[order.Confirmed]) pipeline.Config {
 	return pipeline.Config{
-		Brokers:  e.brokers,
-		Topic:    e.topic,
-		DLQTopic: e.dlq,
-		Groups:   groups,
-		DB:       e.pool,
-		Logger:   slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Brokers: e.brokers,
+		Topics:  []pipeline.Binding{e.topicOf(groups...)},
+		DB:      e.pool,
+		Logger:  quietLogger(),
 	}
+}
+
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
 // run starts the pipeline and returns a function that stops it and waits.
@@ -140,7 +156,7 @@ func uniqueGroup(name string) string { return name + "-" + uuid.NewString()[:8] 
 
 func validEvent(t testing.TB, amount string) order.Confirmed {
 	t.Helper()
-	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), uuid.New(), uuid.New(), decimal.RequireFromString(amount), "EUR")
+	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62), 1+rand.Int64N(1000), decimal.RequireFromString(amount))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +188,7 @@ func TestSameEventFiveTimesRunsOncePerGroup(t *testing.T) {
 	billing := &recorder{group: uniqueGroup("billing")}
 	analytics := &recorder{group: uniqueGroup("analytics")}
 	var seen outcomes
-	cfg := e.config(pipeline.Group{Name: billing.group, Handler: billing}, pipeline.Group{Name: analytics.group, Handler: analytics})
+	cfg := e.config(group(billing), group(analytics))
 	cfg.OnResult = seen.record
 	run(t, cfg)
 
@@ -201,7 +217,7 @@ func TestCrashBetweenDatabaseCommitAndOffsetCommit(t *testing.T) {
 			r := &recorder{group: uniqueGroup("billing")}
 			committed := make(chan struct{})
 			crashed := make(chan struct{})
-			cfg := e.config(pipeline.Group{Name: r.group, Handler: r})
+			cfg := e.config(group(r))
 			cfg.CommitMode = mode
 			cfg.CloseTimeout = time.Second
 			cfg.OnResult = func(res idempotency.Result) {
@@ -255,10 +271,10 @@ func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
 		return nil
 	}}
 	var deadLetters atomic.Int64
-	cfg := e.config(pipeline.Group{Name: r.group, Handler: r})
+	cfg := e.config(group(r))
 	cfg.MaxRetries = 2
 	cfg.RetryInitialInterval = 10 * time.Millisecond
-	cfg.OnDeadLetter = func(string, string) { deadLetters.Add(1) }
+	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	run(t, cfg)
 
 	first := validEvent(t, "1.00")
@@ -266,18 +282,18 @@ func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
 	for range 2 {
 		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
 	}
-	reused, err := order.NewConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"), "EUR")
+	reused, err := order.NewConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	poison := map[string]string{
 		string(payload(t, reused)): "already processed with a different payload",
-		`{"event_id": "broken`:     "not a JSON object",
-		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"1.00","currency":"EUR"}`,
-			uuid.New(), uuid.New(), uuid.New()): "is not a UUIDv7",
-		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-3.00","currency":"EUR"}`,
-			uuid.Must(uuid.NewV7()), uuid.New(), uuid.New()): "is not positive",
-		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v2"}`, uuid.Must(uuid.NewV7())): `event_type "order.confirmed.v2"`,
+		`{"event_id": "broken`:     "payload: want a JSON object, got malformed JSON",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"1.00"}`,
+			uuid.New()): "field event_id: want a UUID version 7 string",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"-3.00"}`,
+			uuid.Must(uuid.NewV7())): "field total_amount: want a positive decimal",
+		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v2"}`, uuid.Must(uuid.NewV7())): `field event_type: want the string "order.confirmed.v1", got a string "order.confirmed.v2"`,
 	}
 	for p := range poison {
 		testenv.Publish(t, e.prod, e.topic, "k", []byte(p))
@@ -344,25 +360,28 @@ func TestNewGroupSeesEarlierEvents(t *testing.T) {
 		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, validEvent(t, "2.50")))
 	}
 	r := &recorder{group: uniqueGroup("late")}
-	run(t, e.config(pipeline.Group{Name: r.group, Handler: r}))
+	run(t, e.config(group(r)))
 	testenv.Eventually(t, 60*time.Second, "4 earlier events processed", func() bool { return effects(t, e.pool, r.group) == 4 })
 }
 
-func TestInvalidConfigIsRejected(t *testing.T) {
-	h := pipeline.HandlerFunc(func(context.Context, pgx.Tx, order.Confirmed) error { return nil })
-	base := pipeline.Config{Brokers: []string{"127.0.0.1:1"}, Topic: "t", DLQTopic: "d", DB: &pgxpool.Pool{}, Groups: []pipeline.Group{{Name: "g", Handler: h}}}
-	for name, mutate := range map[string]func(*pipeline.Config){
-		"old kafka version": func(c *pipeline.Config) { c.KafkaVersion = "0.11.0" },
-		"dlq equals topic":  func(c *pipeline.Config) { c.DLQTopic = c.Topic },
-		"duplicate group":   func(c *pipeline.Config) { c.Groups = append(c.Groups, c.Groups[0]) },
-		"bad commit mode":   func(c *pipeline.Config) { c.CommitMode = "sometimes" },
-		"no brokers":        func(c *pipeline.Config) { c.Brokers = nil },
-	} {
-		cfg := base
-		cfg.Groups = append([]pipeline.Group(nil), base.Groups...)
-		mutate(&cfg)
-		if _, err := pipeline.New(cfg); err == nil {
-			t.Errorf("%s: accepted", name)
+// Validate reports every bad setting at once, each named.
+func TestInvalidConfigReportsEveryProblem(t *testing.T) {
+	noop := func(context.Context, pgx.Tx, order.Confirmed) error { return nil }
+	_, err := pipeline.New(pipeline.Config{
+		KafkaVersion: "0.11.0",
+		CommitMode:   "sometimes",
+		Topics: []pipeline.Binding{
+			pipeline.Topic[order.Confirmed]{Name: "t", DLQ: "t", Groups: []pipeline.Group[order.Confirmed]{{Name: "g", Handle: noop}, {Name: "g", Handle: noop}}},
+			pipeline.Topic[order.Confirmed]{Name: "u", Decode: order.DecodeConfirmed},
+		},
+	})
+	if err == nil {
+		t.Fatal("accepted")
+	}
+	for _, want := range []string{"KafkaVersion", "Brokers is empty", "CommitMode", "DLQ must differ", "Decode is required",
+		"group g listed twice", "topic u: no consumer groups", "no DB, and Config.DB is nil"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not mention %q:\n%v", want, err)
 		}
 	}
 }
@@ -373,11 +392,11 @@ func TestInvalidConfigIsRejected(t *testing.T) {
 // stopped it stops at once. The other instance processes everything, once.
 func TestOutageDoesNotBlockRebalanceOrShutdown(t *testing.T) {
 	e := newEnv(t, 4)
-	group := uniqueGroup("analytics")
-	r := &recorder{group: group}
+	name := uniqueGroup("analytics")
+	r := &recorder{group: name}
 	stuckPool, proxy := testenv.ProxiedPostgres(t, e.pool)
 	proxy.Down(true)
-	cfgA := e.config(pipeline.Group{Name: group, Handler: r})
+	cfgA := e.config(group(r))
 	cfgA.DB = stuckPool
 	stopA := run(t, cfgA)
 	for i := range 24 {
@@ -385,9 +404,9 @@ func TestOutageDoesNotBlockRebalanceOrShutdown(t *testing.T) {
 	}
 	time.Sleep(2 * time.Second) // A now holds messages it cannot process
 
-	run(t, e.config(pipeline.Group{Name: group, Handler: r}))
+	run(t, e.config(group(r)))
 	joined := time.Now()
-	testenv.Eventually(t, 20*time.Second, "the new instance processing its share", func() bool { return effects(t, e.pool, group) > 0 })
+	testenv.Eventually(t, 20*time.Second, "the new instance processing its share", func() bool { return effects(t, e.pool, name) > 0 })
 	t.Logf("rebalance with a consumer stuck in an outage: first event processed %s after the second instance joined", time.Since(joined).Round(time.Millisecond))
 
 	stopping := time.Now()
@@ -399,7 +418,7 @@ func TestOutageDoesNotBlockRebalanceOrShutdown(t *testing.T) {
 		t.Fatal("a consumer waiting for its database did not stop within 15s")
 	}
 	t.Logf("stopped a consumer waiting for its database in %s", time.Since(stopping).Round(time.Millisecond))
-	testenv.Eventually(t, 60*time.Second, "all 24 events processed", func() bool { return effects(t, e.pool, group) == 24 })
+	testenv.Eventually(t, 60*time.Second, "all 24 events processed", func() bool { return effects(t, e.pool, name) == 24 })
 	if n := r.runs.Load(); n != 24 {
 		t.Fatalf("handler ran %d times, want 24", n)
 	}

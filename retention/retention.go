@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"regexp"
 	"time"
@@ -12,6 +13,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/schema"
 )
 
 // Mode selects how expired claims are removed.
@@ -32,6 +35,10 @@ const DefaultRetention = 7 * 24 * time.Hour
 // Config configures maintenance. Zero values of optional fields work.
 type Config struct {
 	DB *pgxpool.Pool
+	// Schema and Table name the claim table, as package schema created it.
+	// Defaults: "public" and "processed_event".
+	Schema string
+	Table  string
 	// Mode: [Partitioned] (default) or [Delete].
 	Mode Mode
 	// Retention of claims. Default [DefaultRetention].
@@ -46,6 +53,12 @@ type Config struct {
 }
 
 func (c *Config) setDefaults() {
+	if c.Schema == "" {
+		c.Schema = "public"
+	}
+	if c.Table == "" {
+		c.Table = "processed_event"
+	}
 	if c.Mode == "" {
 		c.Mode = Partitioned
 	}
@@ -66,19 +79,23 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports the first missing or impossible setting.
+// Validate reports every missing or impossible setting at once.
 func (c Config) Validate() error {
-	switch {
-	case c.DB == nil:
-		return errors.New("retention: Config.DB is required")
-	case c.Mode != Partitioned && c.Mode != Delete:
-		return fmt.Errorf("retention: mode %q: want %q or %q", c.Mode, Partitioned, Delete)
-	case c.Retention < 24*time.Hour:
-		return fmt.Errorf("retention: retention %s is shorter than one day, the partition size", c.Retention)
-	case c.DaysAhead < 1 || c.BatchSize < 1:
-		return errors.New("retention: DaysAhead and BatchSize must be at least 1")
+	var errs []error
+	if c.DB == nil {
+		errs = append(errs, errors.New("retention: Config.DB is required"))
 	}
-	return nil
+	if c.Mode != Partitioned && c.Mode != Delete {
+		errs = append(errs, fmt.Errorf("retention: mode %q: want %q or %q", c.Mode, Partitioned, Delete))
+	}
+	if c.Retention < 24*time.Hour {
+		errs = append(errs, fmt.Errorf("retention: retention %s is shorter than one day, the partition size", c.Retention))
+	}
+	if c.DaysAhead < 1 || c.BatchSize < 1 {
+		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1"))
+	}
+	errs = append(errs, schema.Config{Schema: c.Schema, ClaimTable: c.Table}.Validate())
+	return errors.Join(errs...)
 }
 
 // Report says what one pass did.
@@ -94,24 +111,46 @@ type Report struct {
 	Skipped []string
 }
 
-// lockKey identifies the maintenance advisory lock (an arbitrary constant
-// shared by every instance).
-const lockKey int64 = 0x6f6e63655f726574 // "once_ret"
+// lockKey identifies the maintenance advisory lock of one claim table: the
+// same for every instance, different for every table.
+func lockKey(cfg Config) int64 {
+	h := fnv.New64a()
+	h.Write([]byte("once_retention:" + cfg.Schema + "." + cfg.Table))
+	return int64(h.Sum64() >> 1)
+}
 
 const (
 	tryLockSQL = `SELECT pg_try_advisory_lock($1)`
 	unlockSQL  = `SELECT pg_advisory_unlock($1)`
-	// Daily partitions are named processed_event_pYYYYMMDD by this package only.
+	// Daily partitions are named <table>_pYYYYMMDD by this package only.
 	listPartitionsSQL = `SELECT c.relname FROM pg_inherits i
 JOIN pg_class c ON c.oid = i.inhrelid
 JOIN pg_class p ON p.oid = i.inhparent
-WHERE p.relname = 'processed_event' AND c.relname LIKE 'processed_event\_p%'`
-	defaultHasRowsSQL = `SELECT EXISTS (SELECT 1 FROM processed_event_default WHERE event_id >= $1 AND event_id < $2)`
-	deleteBatchSQL    = `DELETE FROM processed_event_default WHERE (event_id, consumer_group) IN (
-SELECT event_id, consumer_group FROM processed_event_default WHERE event_id < $1 LIMIT $2)`
+JOIN pg_namespace n ON n.oid = p.relnamespace
+WHERE n.nspname = $1 AND p.relname = $2`
+	// %s: the default partition's qualified name.
+	defaultHasRowsSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE event_id >= $1 AND event_id < $2)`
+	deleteBatchSQL    = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
+SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 LIMIT $2)`
 )
 
-var partitionName = regexp.MustCompile(`^processed_event_p(\d{8})$`)
+// names are one claim table's relations.
+type names struct {
+	schema, table string
+	parent        string // qualified, quoted
+	defaultPart   string // qualified, quoted
+	daily         *regexp.Regexp
+}
+
+func namesOf(cfg Config) names {
+	return names{
+		schema:      cfg.Schema,
+		table:       cfg.Table,
+		parent:      pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(),
+		defaultPart: pgx.Identifier{cfg.Schema, cfg.Table + "_default"}.Sanitize(),
+		daily:       regexp.MustCompile(`^` + regexp.QuoteMeta(cfg.Table) + `_p(\d{8})$`),
+	}
+}
 
 // Run makes one maintenance pass. It is safe to call from many instances at
 // once: only the holder of the advisory lock works, the others report Busy.
@@ -126,7 +165,8 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	defer conn.Release()
 	var locked bool
-	if err := conn.QueryRow(ctx, tryLockSQL, lockKey).Scan(&locked); err != nil {
+	key := lockKey(cfg)
+	if err := conn.QueryRow(ctx, tryLockSQL, key).Scan(&locked); err != nil {
 		return Report{}, fmt.Errorf("retention: advisory lock: %w", err)
 	}
 	if !locked {
@@ -134,21 +174,22 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	defer func() {
 		// A session lock outlives a failed statement; release it even when ctx ended.
-		_, _ = conn.Exec(context.WithoutCancel(ctx), unlockSQL, lockKey)
+		_, _ = conn.Exec(context.WithoutCancel(ctx), unlockSQL, key)
 	}()
 
 	var rep Report
+	n := namesOf(cfg)
 	now := cfg.Now().UTC()
 	cutoff := now.Add(-cfg.Retention)
-	if err := dropExpired(ctx, conn.Conn(), cutoff, &rep); err != nil {
+	if err := dropExpired(ctx, conn.Conn(), n, cutoff, &rep); err != nil {
 		return rep, err
 	}
 	if cfg.Mode == Partitioned {
-		if err := createAhead(ctx, conn.Conn(), now, cfg.DaysAhead, &rep); err != nil {
+		if err := createAhead(ctx, conn.Conn(), n, now, cfg.DaysAhead, &rep); err != nil {
 			return rep, err
 		}
 	}
-	if err := deleteExpired(ctx, conn.Conn(), cutoff, cfg.BatchSize, &rep); err != nil {
+	if err := deleteExpired(ctx, conn.Conn(), n, cutoff, cfg.BatchSize, &rep); err != nil {
 		return rep, err
 	}
 	if len(rep.Created)+len(rep.Dropped) > 0 || rep.Deleted > 0 {
@@ -175,8 +216,8 @@ func Loop(ctx context.Context, cfg Config, interval time.Duration) {
 	}
 }
 
-func dropExpired(ctx context.Context, conn *pgx.Conn, cutoff time.Time, rep *Report) error {
-	rows, err := conn.Query(ctx, listPartitionsSQL)
+func dropExpired(ctx context.Context, conn *pgx.Conn, n names, cutoff time.Time, rep *Report) error {
+	rows, err := conn.Query(ctx, listPartitionsSQL, n.schema, n.table)
 	if err != nil {
 		return fmt.Errorf("retention: list partitions: %w", err)
 	}
@@ -185,7 +226,7 @@ func dropExpired(ctx context.Context, conn *pgx.Conn, cutoff time.Time, rep *Rep
 		return fmt.Errorf("retention: list partitions: %w", err)
 	}
 	for _, name := range names {
-		m := partitionName.FindStringSubmatch(name)
+		m := n.daily.FindStringSubmatch(name)
 		if m == nil {
 			continue
 		}
@@ -197,7 +238,7 @@ func dropExpired(ctx context.Context, conn *pgx.Conn, cutoff time.Time, rep *Rep
 		if day.AddDate(0, 0, 1).After(cutoff) {
 			continue
 		}
-		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{name}.Sanitize()); err != nil {
+		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{n.schema, name}.Sanitize()); err != nil {
 			return fmt.Errorf("retention: drop %s: %w", name, err)
 		}
 		rep.Dropped = append(rep.Dropped, name)
@@ -205,21 +246,21 @@ func dropExpired(ctx context.Context, conn *pgx.Conn, cutoff time.Time, rep *Rep
 	return nil
 }
 
-func createAhead(ctx context.Context, conn *pgx.Conn, now time.Time, daysAhead int, rep *Report) error {
+func createAhead(ctx context.Context, conn *pgx.Conn, n names, now time.Time, daysAhead int, rep *Report) error {
 	today := now.Truncate(24 * time.Hour)
 	for i := 0; i <= daysAhead; i++ {
 		day := today.AddDate(0, 0, i)
 		lo, hi := DayRange(day)
-		name := PartitionName(day)
+		name := n.table + "_p" + day.UTC().Format("20060102")
 		var exists bool
-		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, name).Scan(&exists); err != nil {
+		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{n.schema, name}.Sanitize()).Scan(&exists); err != nil {
 			return fmt.Errorf("retention: look up %s: %w", name, err)
 		}
 		if exists {
 			continue
 		}
 		var occupied bool
-		if err := conn.QueryRow(ctx, defaultHasRowsSQL, lo, hi).Scan(&occupied); err != nil {
+		if err := conn.QueryRow(ctx, fmt.Sprintf(defaultHasRowsSQL, n.defaultPart), lo, hi).Scan(&occupied); err != nil {
 			return fmt.Errorf("retention: check default partition for %s: %w", name, err)
 		}
 		if occupied {
@@ -228,8 +269,8 @@ func createAhead(ctx context.Context, conn *pgx.Conn, now time.Time, daysAhead i
 		}
 		// DDL takes no bind parameters: the name and bounds are formatted from
 		// a date and two UUID values this function computed, never from input.
-		ddl := fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s PARTITION OF processed_event FOR VALUES FROM ('%s') TO ('%s')",
-			pgx.Identifier{name}.Sanitize(), lo, hi)
+		ddl := fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')",
+			pgx.Identifier{n.schema, name}.Sanitize(), n.parent, lo, hi)
 		if _, err := conn.Exec(ctx, ddl); err != nil {
 			return fmt.Errorf("retention: create %s: %w", name, err)
 		}
@@ -238,10 +279,11 @@ func createAhead(ctx context.Context, conn *pgx.Conn, now time.Time, daysAhead i
 	return nil
 }
 
-func deleteExpired(ctx context.Context, conn *pgx.Conn, cutoff time.Time, batch int, rep *Report) error {
+func deleteExpired(ctx context.Context, conn *pgx.Conn, n names, cutoff time.Time, batch int, rep *Report) error {
 	bound := FirstIDAt(cutoff)
+	q := fmt.Sprintf(deleteBatchSQL, n.defaultPart)
 	for {
-		tag, err := conn.Exec(ctx, deleteBatchSQL, bound, batch)
+		tag, err := conn.Exec(ctx, q, bound, batch)
 		if err != nil {
 			return fmt.Errorf("retention: delete expired claims: %w", err)
 		}
@@ -268,7 +310,8 @@ func DayRange(day time.Time) (lo, hi uuid.UUID) {
 	return FirstIDAt(start), FirstIDAt(start.AddDate(0, 0, 1))
 }
 
-// PartitionName is the name of the daily partition holding day's ids.
+// PartitionName is the name of the daily partition of the default claim
+// table (public.processed_event) holding day's ids.
 func PartitionName(day time.Time) string {
 	return "processed_event_p" + day.UTC().Format("20060102")
 }

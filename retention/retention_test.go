@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/schema"
 )
 
 // Tests run maintenance on days of 2025, when no other test's claims exist,
@@ -255,5 +257,33 @@ func TestDeleteModeAndSwitchingModes(t *testing.T) {
 	}
 	if left != 1 {
 		t.Fatalf("%d claims left, want 1 (the one within the retention)", left)
+	}
+}
+
+// A claim table under a schema and name of the team's choosing is
+// maintained like the default one: its partitions are created and dropped
+// there, and the default table is left alone.
+func TestNamedClaimTable(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	now := at("2025-03-10T12:00:00Z")
+	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour, Now: func() time.Time { return now }}
+	rep := run(t, cfg)
+	if len(rep.Created) != 3 || rep.Created[0] != "claims_p20250310" {
+		t.Fatalf("created %v; want today's and 2 ahead in the named table", rep.Created)
+	}
+	var inSchema int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename LIKE 'claims\_p2025%'`, names.Schema).Scan(&inSchema); err != nil || inSchema != 3 {
+		t.Fatalf("%d partitions in schema %s (%v), want 3", inSchema, names.Schema, err)
+	}
+	now = now.AddDate(0, 0, 4)
+	rep = run(t, cfg)
+	if len(rep.Dropped) != 2 || rep.Dropped[0] != "claims_p20250310" {
+		t.Fatalf("dropped %v; want the two expired days of the named table", rep.Dropped)
 	}
 }

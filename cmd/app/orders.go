@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/pipeline"
@@ -49,7 +48,7 @@ func (c *ordersCmd) Validate() error {
 	return nil
 }
 
-// Run serves POST /v1/orders {"customer_id","amount","currency"} and forwards
+// Run serves POST /v1/orders {"customer_id","total_amount"} and forwards
 // the outbox to Kafka until stopped.
 func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	pool, err := c.DB.open(ctx, d, true)
@@ -89,21 +88,21 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/orders", func(w http.ResponseWriter, r *http.Request) {
 		var body struct {
-			CustomerID string `json:"customer_id"`
-			Amount     string `json:"amount"`
-			Currency   string `json:"currency"`
+			CustomerID  int64       `json:"customer_id"`
+			TotalAmount json.Number `json:"total_amount"`
 		}
-		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
-			http.Error(w, "body: "+err.Error(), http.StatusBadRequest)
+		dec := json.NewDecoder(r.Body)
+		dec.UseNumber()
+		if err := dec.Decode(&body); err != nil {
+			http.Error(w, "body: want {\"customer_id\": <integer>, \"total_amount\": \"<decimal>\"}: "+err.Error(), http.StatusBadRequest)
 			return
 		}
-		customer, err1 := uuid.Parse(body.CustomerID)
-		amount, err2 := decimal.NewFromString(body.Amount)
-		if err := errors.Join(err1, err2); err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
+		amount, err := decimal.NewFromString(body.TotalAmount.String())
+		if err != nil {
+			http.Error(w, "total_amount: "+err.Error(), http.StatusBadRequest)
 			return
 		}
-		ev, err := svc.Confirm(r.Context(), orders.ConfirmRequest{CustomerID: customer, Amount: amount, Currency: body.Currency})
+		ev, err := svc.Confirm(r.Context(), orders.ConfirmRequest{CustomerID: body.CustomerID, TotalAmount: amount})
 		if errors.Is(err, order.ErrInvalid) {
 			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
 			return

@@ -9,18 +9,23 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/service/analytics"
 	"github.com/once-dev/once/service/billing"
+	"github.com/once-dev/once/service/order"
 )
 
 type serveCmd struct {
 	Kafka kafkaSettings `embed:""`
 	DB    dbSettings    `embed:""`
 
-	Payment paymentSettings `embed:"" prefix:"payment-"`
+	Payment         paymentSettings   `embed:"" prefix:"payment-"`
+	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
+	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"A database of its own for a group (its claims and its tables), e.g. billing=postgres://...; groups not listed use --database-url."`
 
 	Groups     []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
 	CommitMode string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
@@ -39,15 +44,20 @@ type serveCmd struct {
 	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
 }
 
-// handlers lists the consumer groups this binary can run.
-var handlers = map[string]func(*serveCmd) (pipeline.Handler, error){
-	"analytics": func(*serveCmd) (pipeline.Handler, error) { return analytics.Handler{}, nil },
-	"billing": func(s *serveCmd) (pipeline.Handler, error) {
+// handlers lists the consumer groups this binary can run on the
+// order-confirmed topic.
+var handlers = map[string]func(*serveCmd) (pipeline.HandlerFunc[order.Confirmed], error){
+	"analytics": func(*serveCmd) (pipeline.HandlerFunc[order.Confirmed], error) { return analytics.Handler{}.Handle, nil },
+	"billing": func(s *serveCmd) (pipeline.HandlerFunc[order.Confirmed], error) {
 		client, err := s.Payment.client()
 		if err != nil {
 			return nil, err
 		}
-		return billing.Handler{Payments: client}, nil
+		h := billing.Handler{Payments: client, Currency: s.BillingCurrency}
+		if err := h.Validate(); err != nil {
+			return nil, fmt.Errorf("--billing-currency (BILLING_CURRENCY): %w", err)
+		}
+		return h.Handle, nil
 	},
 }
 
@@ -83,6 +93,17 @@ func (s *serveCmd) Validate() error {
 	}
 	if s.MaxClockSkew >= s.Retention.Retention {
 		return fmt.Errorf("--max-clock-skew (ONCE_MAX_CLOCK_SKEW) must be well below --dedup-retention")
+	}
+	if (billing.Handler{Payments: noCharger{}, Currency: s.BillingCurrency}).Validate() != nil {
+		return fmt.Errorf("--billing-currency (BILLING_CURRENCY) %q: want an ISO 4217 code such as EUR", s.BillingCurrency)
+	}
+	for g, url := range s.GroupDatabases {
+		if handlers[g] == nil {
+			return fmt.Errorf("--group-database (ONCE_GROUP_DATABASES): unknown group %q", g)
+		}
+		if err := (&dbSettings{DatabaseURL: url, MaxConns: s.DB.MaxConns}).Validate(); err != nil {
+			return fmt.Errorf("--group-database (ONCE_GROUP_DATABASES) %s: %w", g, err)
+		}
 	}
 	for g, p := range s.TooOld {
 		if handlers[g] == nil {
@@ -123,17 +144,41 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 	}
 }
 
+// noCharger lets Validate check the currency without a payment client.
+type noCharger struct{ billing.Charger }
+
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	pool, err := s.DB.open(ctx, d, s.Migrate)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	// Each group's database holds its claims and its tables: migrated, and
+	// kept by retention, one by one.
+	pools := map[string]*pgxpool.Pool{s.DB.DatabaseURL: pool}
+	groupDB := map[string]*pgxpool.Pool{}
+	for _, g := range s.Groups {
+		url, ok := s.GroupDatabases[g]
+		if !ok {
+			groupDB[g] = pool
+			continue
+		}
+		if pools[url] == nil {
+			own := dbSettings{DatabaseURL: url, MaxConns: s.DB.MaxConns}
+			p, err := own.open(ctx, d, s.Migrate)
+			if err != nil {
+				return fmt.Errorf("--group-database %s: %w", g, err)
+			}
+			defer p.Close()
+			pools[url] = p
+		}
+		groupDB[g] = pools[url]
+	}
 	if err := s.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
 
-	groups := make([]pipeline.Group, 0, len(s.Groups))
+	topic := pipeline.Topic[order.Confirmed]{Name: s.Kafka.Topic, DLQ: s.Kafka.DLQTopic, Decode: order.DecodeConfirmed}
 	for _, g := range s.Groups {
 		h, err := handlers[g](s)
 		if err != nil {
@@ -143,7 +188,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		if p, ok := s.TooOld[g]; ok {
 			policy = idempotency.TooOldPolicy(p)
 		}
-		groups = append(groups, pipeline.Group{Name: g + s.GroupSuffix, Handler: h, TooOld: policy})
+		topic.Groups = append(topic.Groups, pipeline.Group[order.Confirmed]{Name: g + s.GroupSuffix, Handle: h, DB: groupDB[g], TooOld: policy})
 		if g == "billing" {
 			s.warnAboutKeyRetention(d)
 		}
@@ -156,12 +201,10 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	p, err := pipeline.New(pipeline.Config{
 		Brokers:        s.Kafka.Brokers,
 		KafkaVersion:   s.Kafka.KafkaVersion,
-		Topic:          s.Kafka.Topic,
-		DLQTopic:       s.Kafka.DLQTopic,
-		Groups:         groups,
+		DB:             pool,
+		Topics:         []pipeline.Binding{topic},
 		MaxEventAge:    s.Retention.Retention - s.MaxClockSkew,
 		MaxClockSkew:   s.MaxClockSkew,
-		DB:             pool,
 		CommitMode:     pipeline.CommitMode(s.CommitMode),
 		CommitInterval: s.CommitInt,
 		MaxRetries:     maxRetries,
@@ -173,22 +216,25 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 				killBetweenCommitAndAck(d, r)
 			}
 		},
-		OnDeadLetter: func(group, reason string) {
-			d.log.Warn("dead-lettered", "consumer_group", group, "reason", reason)
+		OnDeadLetter: func(dl pipeline.DeadLetter) {
+			d.log.Warn("dead-lettered", "topic", dl.Topic, "consumer_group", dl.Group, "partition", dl.Partition, "offset", dl.Offset, "dlq", dl.DLQ, "reason", dl.Reason)
 		},
 	})
 	if err != nil {
 		return err
 	}
-	// One pass before consuming, so today's partitions exist; no claim ever
-	// waits for one, but claims in the default partition are the slower path.
-	rcfg := s.Retention.config(d)
-	rcfg.DB = pool
-	if _, err := retention.Run(ctx, rcfg); err != nil {
-		return err
-	}
-	if s.MaintenanceInterval > 0 {
-		go retention.Loop(ctx, rcfg, s.MaintenanceInterval)
+	// One pass per database before consuming, so today's partitions exist;
+	// no claim ever waits for one, but claims in the default partition are
+	// the slower path.
+	for _, db := range pools {
+		rcfg := s.Retention.config(d)
+		rcfg.DB = db
+		if _, err := retention.Run(ctx, rcfg); err != nil {
+			return err
+		}
+		if s.MaintenanceInterval > 0 {
+			go retention.Loop(ctx, rcfg, s.MaintenanceInterval)
+		}
 	}
 	go func() {
 		<-p.Running()

@@ -5,17 +5,17 @@
 package testenv
 
 import (
-	"fmt"
-
 	"context"
-	"github.com/IBM/sarama"
-	"github.com/google/uuid"
+	"fmt"
 	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/service/migrations"
@@ -149,4 +149,32 @@ func CommittedOffsets(t testing.TB, admin sarama.ClusterAdmin, group, topic stri
 		out[partition] = block.Offset
 	}
 	return out
+}
+
+// OtherPostgres returns a pool on a second database of the test cluster,
+// created on first use, for tests of groups that keep their claims and
+// tables in databases of their own. Nothing is migrated there.
+func OtherPostgres(t testing.TB, name string) *pgxpool.Pool {
+	t.Helper()
+	main := Postgres(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var exists bool
+	if err := main.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)`, name).Scan(&exists); err != nil {
+		t.Fatal(err)
+	}
+	if !exists {
+		// Two packages may race to create it; losing that race is fine.
+		if _, err := main.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil && !strings.Contains(err.Error(), "already exists") {
+			t.Fatalf("create database %s: %v", name, err)
+		}
+	}
+	cfg := main.Config().Copy()
+	cfg.ConnConfig.Database = name
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatalf("connect to database %s: %v", name, err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }

@@ -37,20 +37,35 @@ var (
 	ErrRevoked = errors.New("idempotency: partition revoked while waiting for the database; message left for its new owner")
 )
 
-type permanentError struct{ err error }
-
-func (e permanentError) Error() string { return e.err.Error() }
-func (e permanentError) Unwrap() error { return e.err }
-
-// Permanent marks err as one that no retry can fix (a malformed event, a
+// PermanentError marks an error that no retry can fix (a malformed event, a
 // charge the provider refused for good). Routers should dead-letter such a
-// message at once instead of retrying it. Permanent(nil) is nil.
+// message at once instead of retrying it. Create one with [Permanent].
+type PermanentError struct{ Err error }
+
+func (e *PermanentError) Error() string { return e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent reports true: see [IsPermanent].
+func (e *PermanentError) Permanent() bool { return true }
+
+// Permanent marks err as one that no retry can fix. Permanent(nil) is nil.
 func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	return permanentError{err}
+	return &PermanentError{Err: err}
 }
+
+// RejectedError is what the middleware returns after a handler's
+// [RejectAfterCommit]: the handler's record of the failure and the claim were
+// committed, and the message must be dead-lettered with Err as the reason.
+type RejectedError struct{ Err error }
+
+func (e *RejectedError) Error() string { return e.Err.Error() }
+func (e *RejectedError) Unwrap() error { return e.Err }
+
+// Permanent reports true: a rejection is the handler's final verdict.
+func (e *RejectedError) Permanent() bool { return true }
 
 type rejectAfterCommit struct{ err error }
 
@@ -60,7 +75,7 @@ func (e rejectAfterCommit) Unwrap() error { return e.err }
 // RejectAfterCommit is returned by a handler that has recorded, through the
 // claim's transaction, that the event failed for good (a declined charge
 // marked failed). The middleware commits those writes with the claim and then
-// returns err marked [Permanent], so the router dead-letters the message, and
+// returns a [*RejectedError], so the router dead-letters the message, and
 // any later delivery of the event is a duplicate that changes nothing.
 func RejectAfterCommit(err error) error {
 	if err == nil {
@@ -69,11 +84,13 @@ func RejectAfterCommit(err error) error {
 	return rejectAfterCommit{err}
 }
 
-// IsPermanent reports whether err, or an error it wraps, was marked by
-// [Permanent].
+// IsPermanent reports whether err says that no retry can fix it: the first
+// error in its chain with a Permanent() bool method decides ([*PermanentError],
+// [*RejectedError], or a type of another package, such as a payment
+// provider's answer). Errors without such a method are not permanent.
 func IsPermanent(err error) bool {
-	var p permanentError
-	return errors.As(err, &p)
+	var p interface{ Permanent() bool }
+	return errors.As(err, &p) && p.Permanent()
 }
 
 // outage marks an error that means the database could not be reached or the

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"regexp"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -19,14 +20,17 @@ import (
 // claim. A concurrent claimer of the same key blocks on the unique index until
 // the first transaction ends, then gets zero rows (or inserts, if the first
 // rolled back).
-const claimSQL = `INSERT INTO processed_event (event_id, consumer_group, payload_sha256)
+//
+// %s is the claim table's quoted, schema-qualified name (Config.Schema and
+// Config.Table), fixed when the middleware is created.
+const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
 VALUES ($1, $2, $3)
 ON CONFLICT (event_id, consumer_group) DO NOTHING`
 
 // storedHashSQL runs as its own statement, after the claim, on purpose: at
 // READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
 // claimSQL waited, which a CTE sharing claimSQL's snapshot would not.
-const storedHashSQL = `SELECT payload_sha256 FROM processed_event
+const storedHashSQL = `SELECT payload_sha256 FROM %s
 WHERE event_id = $1 AND consumer_group = $2`
 
 // TxBeginner begins the transaction of one message. *pgxpool.Pool implements it.
@@ -43,8 +47,13 @@ type Config struct {
 	// processed an event says nothing about analytics. Required.
 	ConsumerGroup string
 
-	// Key extracts the dedup key. Default: [PayloadEventID].
+	// Key extracts the dedup key; it must be a UUIDv7. Default: [PayloadEventID].
 	Key KeyFunc
+
+	// Schema and Table name the claim table, created by package schema.
+	// Defaults: "public" and "processed_event".
+	Schema string
+	Table  string
 
 	// IsoLevel of the message transaction. Default: pgx.ReadCommitted, under
 	// which a losing concurrent claim waits and then sees zero rows. Under
@@ -103,6 +112,12 @@ func (c *Config) setDefaults() {
 	if c.Key == nil {
 		c.Key = PayloadEventID
 	}
+	if c.Schema == "" {
+		c.Schema = "public"
+	}
+	if c.Table == "" {
+		c.Table = "processed_event"
+	}
 	if c.IsoLevel == "" {
 		c.IsoLevel = pgx.ReadCommitted
 	}
@@ -141,24 +156,37 @@ const (
 	ProcessTooOld TooOldPolicy = "process"
 )
 
-// Validate reports the first missing or impossible setting.
+// Validate reports every missing or impossible setting at once.
 func (c Config) Validate() error {
-	switch {
-	case c.DB == nil:
-		return errors.New("idempotency: Config.DB is required")
-	case c.ConsumerGroup == "":
-		return errors.New("idempotency: Config.ConsumerGroup is required")
-	case c.SerializationRetries < 0:
-		return errors.New("idempotency: Config.SerializationRetries must not be negative")
-	case c.FinishTimeout < 0, c.OutageBackoff < 0, c.OutageMaxBackoff < c.OutageBackoff:
-		return errors.New("idempotency: timeouts must be positive and OutageMaxBackoff >= OutageBackoff")
-	case c.MaxEventAge < 0, c.MaxClockSkew < 0:
-		return errors.New("idempotency: MaxEventAge and MaxClockSkew must not be negative")
-	case c.TooOld != RejectTooOld && c.TooOld != ProcessTooOld:
-		return fmt.Errorf("idempotency: TooOld %q: want %q or %q", c.TooOld, RejectTooOld, ProcessTooOld)
+	var errs []error
+	if c.DB == nil {
+		errs = append(errs, errors.New("idempotency: Config.DB is required"))
 	}
-	return nil
+	if c.ConsumerGroup == "" {
+		errs = append(errs, errors.New("idempotency: Config.ConsumerGroup is required"))
+	}
+	if c.SerializationRetries < 0 {
+		errs = append(errs, errors.New("idempotency: Config.SerializationRetries must not be negative"))
+	}
+	if c.FinishTimeout < 0 || c.OutageBackoff < 0 || c.OutageMaxBackoff < c.OutageBackoff {
+		errs = append(errs, errors.New("idempotency: Config.FinishTimeout and Config.OutageBackoff must not be negative, and OutageMaxBackoff must be at least OutageBackoff"))
+	}
+	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
+		errs = append(errs, errors.New("idempotency: Config.MaxEventAge and Config.MaxClockSkew must not be negative"))
+	}
+	if c.TooOld != "" && c.TooOld != RejectTooOld && c.TooOld != ProcessTooOld {
+		errs = append(errs, fmt.Errorf("idempotency: Config.TooOld %q: want %q or %q", c.TooOld, RejectTooOld, ProcessTooOld))
+	}
+	for setting, name := range map[string]string{"Config.Schema": c.Schema, "Config.Table": c.Table} {
+		if name != "" && !identifier.MatchString(name) {
+			errs = append(errs, fmt.Errorf("idempotency: %s %q: want a lower-case SQL identifier", setting, name))
+		}
+	}
+	return errors.Join(errs...)
 }
+
+// identifier matches the names package schema creates tables under.
+var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
 
 // Outcome is what the middleware did with one message.
 type Outcome int
@@ -207,6 +235,7 @@ type Result struct {
 	Outcome       Outcome
 	EventID       uuid.UUID // uuid.Nil when the key could not be read
 	ConsumerGroup string
+	Topic         string // the topic the message was consumed from, if known
 	Duration      time.Duration
 	OutageWaits   int   // times the database was unreachable and the middleware waited
 	Err           error // nil for Processed and Duplicate
@@ -215,7 +244,9 @@ type Result struct {
 // Middleware is the idempotent-consumer middleware of one consumer group.
 // Create one per group with [New]; it is safe for concurrent use.
 type Middleware struct {
-	cfg Config
+	cfg       Config
+	claimSQL  string
+	storedSQL string
 }
 
 // New validates cfg and returns the middleware.
@@ -224,7 +255,8 @@ func New(cfg Config) (*Middleware, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Middleware{cfg: cfg}, nil
+	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
+	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table), storedSQL: fmt.Sprintf(storedHashSQL, table)}, nil
 }
 
 // Middleware wraps h as described in the package documentation. Errors it
@@ -234,7 +266,7 @@ func New(cfg Config) (*Middleware, error) {
 func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		start := time.Now()
-		res := Result{ConsumerGroup: m.cfg.ConsumerGroup}
+		res := Result{ConsumerGroup: m.cfg.ConsumerGroup, Topic: message.SubscribeTopicFromCtx(msg.Context())}
 		report := func(o Outcome, err error) {
 			res.Outcome, res.Err, res.Duration = o, err, time.Since(start)
 			if m.cfg.OnResult != nil {
@@ -243,6 +275,9 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 
 		key, err := m.cfg.Key(msg)
+		if err == nil && (key.Version() != 7 || key.Variant() != uuid.RFC4122) {
+			err = fmt.Errorf("%w: event_id %s is UUID version %d, want 7", ErrInvalidKey, key, key.Version())
+		}
 		if err != nil {
 			err = Permanent(err)
 			report(Failed, err)
@@ -328,13 +363,13 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		}
 	}()
 
-	tag, err := tx.Exec(msgCtx, claimSQL, key, m.cfg.ConsumerGroup, sum)
+	tag, err := tx.Exec(msgCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum)
 	if err != nil {
 		return 0, nil, ownCallFailed(fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
 	}
 	if tag.RowsAffected() == 0 {
 		var stored []byte
-		if err := tx.QueryRow(msgCtx, storedHashSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
+		if err := tx.QueryRow(msgCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
 			return 0, nil, ownCallFailed(fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
 		}
 		if !bytes.Equal(stored, sum) {
@@ -367,7 +402,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		return Failed, nil, ownCallFailed(fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err))
 	}
 	if isRejection {
-		return Rejected, nil, Permanent(rejected.err)
+		return Rejected, nil, &RejectedError{Err: rejected.err}
 	}
 	return Processed, produced, nil
 }

@@ -2,46 +2,47 @@ package analytics_test
 
 import (
 	"context"
+	"math/rand/v2"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/service/analytics"
 	"github.com/once-dev/once/service/order"
 )
 
-// Two orders of one customer on one day add up; the handler itself is not
-// idempotent (that is the middleware's job), so two calls count twice.
-func TestAddsOrdersToTheCustomersDay(t *testing.T) {
-	pool := testenv.Postgres(t)
-	ctx := context.Background()
-	customer := uuid.New()
-	day := time.Date(2026, 12, 2, 23, 59, 0, 0, time.UTC)
-	tx, err := pool.Begin(ctx)
+func revenue(t *testing.T, pool *pgxpool.Pool, customer int64, day string) (decimal.Decimal, int) {
+	t.Helper()
+	var r decimal.Decimal
+	var n int
+	err := pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
+		FROM analytics.customer_daily_revenue WHERE customer_id = $1 AND day = $2`, customer, day).Scan(&r, &n)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback(ctx)
-	for _, amount := range []string{"10.10", "0.20"} {
-		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), day, uuid.New(), customer, decimal.RequireFromString(amount), "EUR")
+	return r, n
+}
+
+// Two orders of one customer on one day add up, each once however often it
+// is delivered; the day is the event's occurred_at in UTC.
+func TestAddsEachOrderToTheCustomersDayOnce(t *testing.T) {
+	pool := testenv.Postgres(t)
+	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.Handle})
+	customer := 1 + rand.Int64N(1<<62)
+	day := time.Date(2026, 12, 2, 23, 59, 0, 0, time.UTC)
+	for i, amount := range []string{"10.10", "0.20"} {
+		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), day, int64(i+1), customer, decimal.RequireFromString(amount))
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := (analytics.Handler{}).Handle(ctx, tx, ev); err != nil {
-			t.Fatal(err)
-		}
+		h.DeliverTwice(ev)
 	}
-	var revenue decimal.Decimal
-	var count int
-	err = tx.QueryRow(ctx, `SELECT revenue, order_count FROM analytics.customer_daily_revenue
-		WHERE customer_id = $1 AND day = '2026-12-02' AND currency = 'EUR'`, customer).Scan(&revenue, &count)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !revenue.Equal(decimal.RequireFromString("10.30")) || count != 2 {
-		t.Fatalf("revenue %s over %d orders; want 10.30 over 2", revenue, count)
+	if r, n := revenue(t, pool, customer, "2026-12-02"); !r.Equal(decimal.RequireFromString("10.30")) || n != 2 {
+		t.Fatalf("revenue %s over %d orders; want 10.30 over 2", r, n)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -91,6 +92,9 @@ func (c *Config) setDefaults() {
 	}
 }
 
+// Currency billing charges in: the guide's events carry none.
+const Currency = "EUR"
+
 // declineAbove is the simulator's limit; declined orders are priced above it.
 var declineAbove = decimal.NewFromInt(10000)
 
@@ -109,7 +113,7 @@ type run struct {
 
 	mu        sync.Mutex
 	events    []order.Confirmed
-	customers []uuid.UUID
+	customers []int64
 }
 
 // Run executes the demo and returns its summary. An error means the demo
@@ -138,8 +142,10 @@ func Run(ctx context.Context, cfg Config) (Summary, error) {
 		progress: progress.New(cfg.Progress),
 		counts:   newCounters(),
 	}
-	for range 200 {
-		r.customers = append(r.customers, uuid.New())
+	// Customers of this run only: analytics' totals are per customer.
+	first := (1 + rand.Int64N(1<<40)) * 1000
+	for i := range int64(200) {
+		r.customers = append(r.customers, first+i)
 	}
 	defer r.progress.Done()
 	return r.execute(ctx)
@@ -160,12 +166,12 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 
 	// Both consumer groups, each in a pipeline of its own so that one can be
 	// stopped and reset while the other keeps running.
-	stopBilling, err := r.startGroup(ctx, r.groups[0], billing.Handler{Payments: r.client})
+	stopBilling, err := r.startGroup(ctx, r.groups[0], billing.Handler{Payments: r.client, Currency: Currency}.Handle)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer stopBilling()
-	stopAnalytics, err := r.startGroup(ctx, r.groups[1], analytics.Handler{})
+	stopAnalytics, err := r.startGroup(ctx, r.groups[1], analytics.Handler{}.Handle)
 	if err != nil {
 		return Summary{}, err
 	}
@@ -211,7 +217,7 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 		return Summary{}, err
 	}
 	r.progress.Set("restarting %s", r.groups[1])
-	if stopAnalytics, err = r.startGroup(ctx, r.groups[1], analytics.Handler{}); err != nil {
+	if stopAnalytics, err = r.startGroup(ctx, r.groups[1], analytics.Handler{}.Handle); err != nil {
 		return Summary{}, err
 	}
 	if err := r.waitLagZero(ctx); err != nil {
@@ -241,18 +247,19 @@ func (r *run) startProvider(ctx context.Context) (stop func(), err error) {
 	return func() { _ = srv.Shutdown(context.WithoutCancel(ctx)) }, nil
 }
 
-func (r *run) startGroup(ctx context.Context, group string, h pipeline.Handler) (stop func(), err error) {
+func (r *run) startGroup(ctx context.Context, group string, handle pipeline.HandlerFunc[order.Confirmed]) (stop func(), err error) {
 	p, err := pipeline.New(pipeline.Config{
 		Brokers:      r.cfg.Brokers,
 		KafkaVersion: r.cfg.KafkaVersion,
-		Topic:        r.topic,
-		DLQTopic:     r.dlqTopic,
-		Groups:       []pipeline.Group{{Name: group, Handler: h}},
 		DB:           r.cfg.DB,
+		Topics: []pipeline.Binding{pipeline.Topic[order.Confirmed]{
+			Name: r.topic, DLQ: r.dlqTopic, Decode: order.DecodeConfirmed,
+			Groups: []pipeline.Group[order.Confirmed]{{Name: group, Handle: handle}},
+		}},
 		Logger:       r.cfg.Logger,
 		OnResult:     r.counts.result,
-		OnDeadLetter: func(g, _ string) { r.counts.add(g, "dead_lettered") },
-		OnDelivered:  func(g string) { r.counts.add(g, "delivered") },
+		OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, "dead_lettered") },
+		OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, "delivered") },
 	})
 	if err != nil {
 		return nil, err
@@ -318,7 +325,7 @@ func (r *run) confirmOrders(ctx context.Context, svc *orders.Service, raw sarama
 					amount = declineAbove.Add(decimal.New(1+rand.Int64N(1000000), -2))
 				}
 				ev, err := svc.Confirm(ctx, orders.ConfirmRequest{
-					CustomerID: r.customers[rand.IntN(len(r.customers))], Amount: amount, Currency: "EUR"})
+					CustomerID: r.customers[rand.IntN(len(r.customers))], TotalAmount: amount})
 				if err != nil {
 					errc <- err
 					return
@@ -347,13 +354,14 @@ func poison(n int) []byte {
 	case 0:
 		return []byte(`{"event_id": "truncated`)
 	case 1:
-		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"5.00","currency":"EUR"}`,
-			uuid.New(), uuid.New(), uuid.New()) // a UUIDv4 id
+		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"5.00"}`,
+			uuid.New()) // a UUIDv4 id
 	case 2:
-		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":%q,"customer_id":%q,"amount":"-5.00","currency":"EUR"}`,
-			uuid.Must(uuid.NewV7()), uuid.New(), uuid.New())
+		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":1,"customer_id":2,"total_amount":"-5.00"}`,
+			uuid.Must(uuid.NewV7()))
 	default:
-		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v2","amount":5.0}`, uuid.Must(uuid.NewV7()))
+		return fmt.Appendf(nil, `{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00Z","order_id":"1","customer_id":2,"total_amount":"5.00"}`,
+			uuid.Must(uuid.NewV7())) // order_id as a string
 	}
 }
 
@@ -378,7 +386,7 @@ func (r *run) republish(ctx context.Context, raw sarama.SyncProducer) (int, erro
 		if err != nil {
 			return i, err
 		}
-		if _, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.topic, Key: sarama.StringEncoder(ev.OrderID().String()), Value: sarama.ByteEncoder(payload)}); err != nil {
+		if _, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.topic, Key: sarama.StringEncoder(strconv.FormatInt(ev.OrderID(), 10)), Value: sarama.ByteEncoder(payload)}); err != nil {
 			return i, fmt.Errorf("demo: republish: %w", err)
 		}
 		r.progress.Set("re-publishing events: %d/%d", i+1, n)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -116,13 +117,13 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 	ids := make([]uuid.UUID, 0, len(r.events))
 	for _, ev := range r.events {
 		ids = append(ids, ev.EventID())
-		s.OrderedTotal = s.OrderedTotal.Add(ev.Amount())
-		if ev.Amount().GreaterThan(declineAbove) {
+		s.OrderedTotal = s.OrderedTotal.Add(ev.TotalAmount())
+		if ev.TotalAmount().GreaterThan(declineAbove) {
 			s.Declined++
 			continue
 		}
-		chargeable[ev.OrderID().String()] = ev.Amount()
-		s.ChargeableTotal = s.ChargeableTotal.Add(ev.Amount())
+		chargeable[strconv.FormatInt(ev.OrderID(), 10)] = ev.TotalAmount()
+		s.ChargeableTotal = s.ChargeableTotal.Add(ev.TotalAmount())
 	}
 
 	ledger, err := r.client.Ledger(ctx)

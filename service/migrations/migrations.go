@@ -9,13 +9,20 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
+
+	"github.com/once-dev/once/schema"
 )
 
 //go:embed *.sql
 var files embed.FS
 
-// Up applies every pending migration and returns the versions it applied.
+// Up applies the library's tables (package schema, in public) and then every
+// pending migration of the reference service, and returns the versions of
+// the latter it applied.
 func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
+	if _, err := schema.Migrate(ctx, pool, schema.Config{}); err != nil {
+		return nil, err
+	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 

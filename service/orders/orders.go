@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -30,8 +31,12 @@ const forwarderGroup = "kafka_forwarder"
 // metaPartitionKey carries the order id from the outbox to the Kafka key.
 const metaPartitionKey = "partition_key"
 
-const insertOrderSQL = `INSERT INTO orders.orders (order_id, customer_id, amount, currency, confirmed_event_id)
-VALUES ($1, $2, $3, $4, $5)`
+// insertOrderSQL takes the order id from the identity column unless the
+// caller chose one ($1 not null).
+const insertOrderSQL = `INSERT INTO orders.orders (order_id, customer_id, total_amount, confirmed_event_id)
+OVERRIDING SYSTEM VALUE
+VALUES (coalesce($1, nextval(pg_get_serial_sequence('orders.orders', 'order_id'))), $2, $3, $4)
+RETURNING order_id`
 
 // Config configures a [Service].
 type Config struct {
@@ -41,7 +46,7 @@ type Config struct {
 	// OutboxTopic. Default [DefaultOutboxTopic].
 	OutboxTopic string
 	Logger      *slog.Logger
-	// Now is the clock of occurred_at and of the UUIDv7. Default time.Now.
+	// Now is the clock of occurred_at. Default time.Now.
 	Now func() time.Time
 }
 
@@ -83,12 +88,11 @@ func (s *Service) Init(ctx context.Context) error {
 	return nil
 }
 
-// ConfirmRequest is an order to confirm. A zero OrderID gets a fresh one.
+// ConfirmRequest is an order to confirm. A zero OrderID gets the next one.
 type ConfirmRequest struct {
-	OrderID    uuid.UUID
-	CustomerID uuid.UUID
-	Amount     decimal.Decimal
-	Currency   string
+	OrderID     int64
+	CustomerID  int64
+	TotalAmount decimal.Decimal
 }
 
 // Confirm confirms an order in its own transaction.
@@ -105,19 +109,26 @@ func (s *Service) Confirm(ctx context.Context, req ConfirmRequest) (order.Confir
 // ConfirmInTx writes the order and its event into tx. Nothing reaches Kafka
 // unless tx commits.
 func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest) (order.Confirmed, error) {
-	if req.OrderID == uuid.Nil {
-		req.OrderID = uuid.Must(uuid.NewV7())
-	}
+	now := s.cfg.Now()
 	eventID, err := uuid.NewV7()
 	if err != nil {
 		return order.Confirmed{}, fmt.Errorf("orders: event id: %w", err)
 	}
-	ev, err := order.NewConfirmed(eventID, s.cfg.Now(), req.OrderID, req.CustomerID, req.Amount, req.Currency)
-	if err != nil {
+	// Validated before the insert, with a stand-in order id.
+	if _, err := order.NewConfirmed(eventID, now, max(req.OrderID, 1), req.CustomerID, req.TotalAmount); err != nil {
 		return order.Confirmed{}, err
 	}
-	if _, err := tx.Exec(ctx, insertOrderSQL, ev.OrderID(), ev.CustomerID(), ev.Amount(), ev.Currency(), ev.EventID()); err != nil {
-		return order.Confirmed{}, fmt.Errorf("orders: insert order %s: %w", ev.OrderID(), err)
+	var chosen *int64
+	if req.OrderID != 0 {
+		chosen = &req.OrderID
+	}
+	var orderID int64
+	if err := tx.QueryRow(ctx, insertOrderSQL, chosen, req.CustomerID, req.TotalAmount, eventID).Scan(&orderID); err != nil {
+		return order.Confirmed{}, fmt.Errorf("orders: insert order: %w", err)
+	}
+	ev, err := order.NewConfirmed(eventID, now, orderID, req.CustomerID, req.TotalAmount)
+	if err != nil {
+		return order.Confirmed{}, err
 	}
 	payload, err := ev.MarshalJSON()
 	if err != nil {
@@ -130,7 +141,7 @@ func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest
 		return order.Confirmed{}, fmt.Errorf("orders: outbox publisher: %w", err)
 	}
 	msg := message.NewMessage(ev.EventID().String(), payload)
-	msg.Metadata.Set(metaPartitionKey, ev.OrderID().String())
+	msg.Metadata.Set(metaPartitionKey, strconv.FormatInt(ev.OrderID(), 10))
 	pub := forwarder.NewPublisher(outbox, forwarder.PublisherConfig{ForwarderTopic: s.cfg.OutboxTopic})
 	if err := pub.Publish(s.cfg.Topic, msg); err != nil {
 		return order.Confirmed{}, fmt.Errorf("orders: write outbox: %w", err)

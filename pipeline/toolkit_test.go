@@ -1,0 +1,226 @@
+package pipeline_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/schema"
+	"github.com/once-dev/once/service/order"
+)
+
+// ping is a second team's event type, on a topic of its own.
+type ping struct {
+	ID uuid.UUID `json:"event_id"`
+	N  int       `json:"n"`
+}
+
+func (p ping) EventID() uuid.UUID { return p.ID }
+
+func decodePing(b []byte) (ping, error) {
+	var p ping
+	if err := json.Unmarshal(b, &p); err != nil {
+		return ping{}, fmt.Errorf("ping: %w", err)
+	}
+	if p.N <= 0 {
+		return ping{}, fmt.Errorf("ping: field n: want a positive integer, got %d", p.N)
+	}
+	return p, nil
+}
+
+// counter is a Watermill middleware that counts the messages it sees, per topic.
+type counter struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *counter) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		c.mu.Lock()
+		if c.n == nil {
+			c.n = map[string]int{}
+		}
+		c.n[message.SubscribeTopicFromCtx(msg.Context())]++
+		c.mu.Unlock()
+		return h(msg)
+	}
+}
+
+func (c *counter) get(topic string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[topic]
+}
+
+const createPingEffects = `CREATE TABLE IF NOT EXISTS pipeline_test_ping (event_id uuid NOT NULL, consumer_group text NOT NULL, n int NOT NULL)`
+
+func claimsIn(t *testing.T, db *pgxpool.Pool, table, group string) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow(context.Background(), `SELECT count(*) FROM `+table+` WHERE consumer_group = $1`, group).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Two topics with two event types in one router: the team's own router with
+// its router-level middleware, middleware per topic in its slots, a group
+// whose claims and tables live in a database of its own, and the library's
+// claim table under names the team chose. Every event is handled once per
+// group, and each middleware saw exactly its own topic.
+func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
+	e := newEnv(t, 3)
+	ctx := context.Background()
+	other := testenv.OtherPostgres(t, "once_test_other")
+	names := schema.Config{Schema: "once_lib", ClaimTable: "claims"}
+	for _, db := range []*pgxpool.Pool{e.pool, other} {
+		if _, err := schema.Migrate(ctx, db, names); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec(ctx, createEffects+"; "+createPingEffects); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pingTopic := testenv.Topic(t, e.brokers, 2)
+	pingDLQ := testenv.Topic(t, e.brokers, 1)
+
+	orders := &recorder{group: uniqueGroup("orders")}
+	var pingRuns atomic.Int64
+	pingGroup := uniqueGroup("pings")
+	handlePing := func(ctx context.Context, tx pgx.Tx, p ping) error {
+		pingRuns.Add(1)
+		_, err := tx.Exec(ctx, `INSERT INTO pipeline_test_ping (event_id, consumer_group, n) VALUES ($1, $2, $3)`, p.ID, pingGroup, p.N)
+		return err
+	}
+	var routerLevel, ordersBeforeClaim, pingsObserve, pingsInTx counter
+	inTxSawTx := atomic.Bool{}
+	pingsInTxCheck := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			_, err := idempotency.TxFromContext(msg.Context())
+			inTxSawTx.Store(err == nil)
+			return h(msg)
+		}
+	}
+
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(routerLevel.middleware)
+	var seen outcomes
+	p, err := pipeline.New(pipeline.Config{
+		Brokers:     e.brokers,
+		DB:          e.pool,
+		Router:      router,
+		ClaimSchema: names.Schema,
+		ClaimTable:  names.ClaimTable,
+		Logger:      quietLogger(),
+		OnResult:    seen.record,
+		Topics: []pipeline.Binding{
+			pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed,
+				Groups: []pipeline.Group[order.Confirmed]{group(orders)},
+				Extra:  pipeline.Extra{BeforeClaim: []message.HandlerMiddleware{ordersBeforeClaim.middleware}}},
+			pipeline.Topic[ping]{Name: pingTopic, DLQ: pingDLQ, Decode: decodePing,
+				Groups: []pipeline.Group[ping]{{Name: pingGroup, Handle: handlePing, DB: other,
+					Extra: pipeline.Extra{InTx: []message.HandlerMiddleware{pingsInTx.middleware, pingsInTxCheck}}}},
+				Extra: pipeline.Extra{Observe: []message.HandlerMiddleware{pingsObserve.middleware}}},
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- p.Run(runCtx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	<-p.Running()
+
+	for i := range 4 {
+		ev := validEvent(t, "3.00")
+		for range 2 { // each delivered twice
+			testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, ev))
+		}
+	}
+	for i := range 3 {
+		b, _ := json.Marshal(ping{ID: uuid.Must(uuid.NewV7()), N: i + 1})
+		for range 2 {
+			testenv.Publish(t, e.prod, pingTopic, fmt.Sprint(i), b)
+		}
+	}
+	testenv.Eventually(t, 60*time.Second, "every delivery of both topics handled", func() bool {
+		return seen.get(orders.group, idempotency.Processed)+seen.get(orders.group, idempotency.Duplicate) == 8 &&
+			seen.get(pingGroup, idempotency.Processed)+seen.get(pingGroup, idempotency.Duplicate) == 6
+	})
+	if orders.runs.Load() != 4 || pingRuns.Load() != 3 {
+		t.Fatalf("handlers ran %d and %d times; want 4 and 3", orders.runs.Load(), pingRuns.Load())
+	}
+	if claimsIn(t, e.pool, "once_lib.claims", orders.group) != 4 || claimsIn(t, other, "once_lib.claims", pingGroup) != 3 ||
+		claimsIn(t, e.pool, "once_lib.claims", pingGroup) != 0 {
+		t.Fatal("claims are not in the claim table of each group's own database")
+	}
+	var pings int
+	if err := other.QueryRow(ctx, `SELECT count(*) FROM pipeline_test_ping WHERE consumer_group = $1`, pingGroup).Scan(&pings); err != nil || pings != 3 {
+		t.Fatalf("%d ping effects in the group's database (%v), want 3", pings, err)
+	}
+	for _, c := range []struct {
+		name         string
+		c            *counter
+		orders, ping int
+	}{
+		{"router level", &routerLevel, 8, 6},
+		{"orders BeforeClaim", &ordersBeforeClaim, 8, 0},
+		{"pings Observe", &pingsObserve, 0, 6},
+		{"pings InTx (first deliveries only)", &pingsInTx, 0, 3},
+	} {
+		if c.c.get(e.topic) != c.orders || c.c.get(pingTopic) != c.ping {
+			t.Errorf("%s middleware saw %d orders and %d pings; want %d and %d", c.name, c.c.get(e.topic), c.c.get(pingTopic), c.orders, c.ping)
+		}
+	}
+	if !inTxSawTx.Load() {
+		t.Error("InTx middleware did not find the claim's transaction in the message context")
+	}
+}
+
+// A message returned by a handler chain would be published by the router
+// after the commit, where a crash loses it: the pipeline refuses it, rolls
+// the claim back and dead-letters the message with the reason.
+func TestReturnedMessagesAreRefused(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("returns")}
+	returns := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if _, err := h(msg); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("{}"))}, nil
+		}
+	}
+	g := group(r)
+	g.Extra.InTx = []message.HandlerMiddleware{returns}
+	cfg := e.config(g)
+	cfg.MaxRetries = pipeline.NoRetries
+	var reasons []string
+	var mu sync.Mutex
+	cfg.OnDeadLetter = func(d pipeline.DeadLetter) { mu.Lock(); reasons = append(reasons, d.Reason); mu.Unlock() }
+	run(t, cfg)
+	ev := validEvent(t, "1.00")
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+	testenv.Eventually(t, 60*time.Second, "the message dead-lettered", func() bool { mu.Lock(); defer mu.Unlock(); return len(reasons) == 1 })
+	if !strings.Contains(reasons[0], "publish them in the claim's transaction") || effects(t, e.pool, r.group) != 0 {
+		t.Fatalf("reason %q, %d effects; want the refusal and nothing committed", reasons[0], effects(t, e.pool, r.group))
+	}
+}

@@ -1,0 +1,174 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/middleware/idempotency"
+)
+
+// Event is what a topic carries once decoded: a value that knows its own
+// event id, a UUIDv7 from the payload (R-KFK-IDEM-1) and the only dedup key.
+type Event interface {
+	EventID() uuid.UUID
+}
+
+// Decoder turns a message payload into an event. Any error it returns is
+// permanent: the message is dead-lettered with the error as its reason,
+// before anything is claimed. It must not do I/O.
+type Decoder[E Event] func(payload []byte) (E, error)
+
+// HandlerFunc is a consumer group's business logic. It runs at most once to
+// completion per event and group: tx holds the event's claim, and every write
+// that must happen once goes through it. It must not commit or roll back tx.
+//
+// Return nil to commit; an error marked [idempotency.Permanent] for an event
+// that can never succeed (dead-lettered at once); [idempotency.RejectAfterCommit]
+// to commit what tx recorded and dead-letter the event; any other error rolls
+// back and the event is tried again.
+type HandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, ev E) error
+
+// DB begins the transaction that holds a message's claim. *pgxpool.Pool
+// implements it.
+type DB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// Topic binds one Kafka topic and its event type to the consumer groups that
+// read it. Each group gets the whole safety chain (see the package
+// documentation) and its own dedup.
+type Topic[E Event] struct {
+	// Name of the Kafka topic. Required.
+	Name string
+	// DLQ is the topic's dead-letter topic. Default: Name + ".dlq".
+	DLQ string
+	// Decode validates a payload into an E. Required.
+	Decode Decoder[E]
+	// Groups reading the topic; at least one.
+	Groups []Group[E]
+	// Extra middleware for every group of the topic.
+	Extra Extra
+}
+
+// Group is one consumer group on a topic: its Kafka consumer group id and the
+// second half of its dedup key are both Name.
+type Group[E Event] struct {
+	// Name of the consumer group. Required.
+	Name string
+	// Handle is the group's business logic. Required.
+	Handle HandlerFunc[E]
+	// DB holds the group's claims and business tables. Default: Config.DB.
+	DB DB
+	// TooOld is the group's policy for events beyond Config.MaxEventAge.
+	// Default: idempotency.RejectTooOld, the only safe one for money.
+	TooOld idempotency.TooOldPolicy
+	// Extra middleware for this group, inside the topic's Extra.
+	Extra Extra
+}
+
+// Extra holds a team's own Watermill middleware in fixed slots of the safety
+// chain, so that where a middleware runs is decided by what it is for, not by
+// the order it was added in. Within a slot the first runs outermost.
+type Extra struct {
+	// Observe sees every delivery and how it ended: nil when the message was
+	// acknowledged (processed, skipped or dead-lettered), an error when it
+	// was left for redelivery. For metrics, logs and traces.
+	Observe []message.HandlerMiddleware
+	// BeforeClaim runs after decoding and before the claim's transaction
+	// begins, inside the retries and the recoverer: a failure there is
+	// handled like the handler's own. Nothing it does is part of the claim.
+	BeforeClaim []message.HandlerMiddleware
+	// InTx runs inside the claim's transaction, around the handler, for first
+	// deliveries only (idempotency.TxFromContext gives the transaction). It
+	// must not return messages: publishing after the commit could be lost.
+	InTx []message.HandlerMiddleware
+}
+
+func (e Extra) then(inner Extra) Extra {
+	return Extra{
+		Observe:     append(append([]message.HandlerMiddleware(nil), e.Observe...), inner.Observe...),
+		BeforeClaim: append(append([]message.HandlerMiddleware(nil), e.BeforeClaim...), inner.BeforeClaim...),
+		InTx:        append(append([]message.HandlerMiddleware(nil), e.InTx...), inner.InTx...),
+	}
+}
+
+// Binding is a [Topic] of any event type, as [Config.Topics] lists them.
+// Only Topic implements it.
+type Binding interface {
+	binding() (topicBinding, error)
+}
+
+// topicBinding is a Topic with its event type erased: the pipeline's
+// machinery is the same for every type, and only decode and handle know E.
+type topicBinding struct {
+	name, dlq string
+	groups    []groupBinding
+}
+
+type groupBinding struct {
+	name   string
+	db     DB
+	tooOld idempotency.TooOldPolicy
+	extra  Extra
+	decode func(payload []byte) (decoded, error)
+	handle func(ctx context.Context, tx pgx.Tx, ev any) error
+}
+
+// decoded is an event as the chain carries it between decode and handle.
+type decoded struct {
+	id    uuid.UUID
+	value any
+}
+
+func (t Topic[E]) binding() (topicBinding, error) {
+	var errs []error
+	if t.Name == "" {
+		errs = append(errs, errors.New("pipeline: a Topic has no Name"))
+	}
+	b := topicBinding{name: t.Name, dlq: t.DLQ}
+	if b.dlq == "" {
+		b.dlq = t.Name + ".dlq"
+	}
+	if b.dlq == t.Name {
+		errs = append(errs, fmt.Errorf("pipeline: topic %s: DLQ must differ from the topic", t.Name))
+	}
+	if t.Decode == nil {
+		errs = append(errs, fmt.Errorf("pipeline: topic %s: Decode is required", t.Name))
+	}
+	if len(t.Groups) == 0 {
+		errs = append(errs, fmt.Errorf("pipeline: topic %s: no consumer groups", t.Name))
+	}
+	decode := func(payload []byte) (decoded, error) {
+		ev, err := t.Decode(payload)
+		if err != nil {
+			return decoded{}, err
+		}
+		return decoded{id: ev.EventID(), value: ev}, nil
+	}
+	seen := map[string]bool{}
+	for _, g := range t.Groups {
+		if g.Name == "" || g.Handle == nil {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s: every group needs a Name and a Handle", t.Name))
+			continue
+		}
+		if seen[g.Name] {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s: group %s listed twice", t.Name, g.Name))
+		}
+		seen[g.Name] = true
+		handle := g.Handle
+		b.groups = append(b.groups, groupBinding{
+			name:   g.Name,
+			db:     g.DB,
+			tooOld: g.TooOld,
+			extra:  t.Extra.then(g.Extra),
+			decode: decode,
+			handle: func(ctx context.Context, tx pgx.Tx, ev any) error { return handle(ctx, tx, ev.(E)) },
+		})
+	}
+	return b, errors.Join(errs...)
+}

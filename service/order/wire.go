@@ -1,0 +1,230 @@
+package order
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/shopspring/decimal"
+)
+
+// MaxPayloadBytes bounds a message: an event is a few hundred bytes, and a
+// huge one is a producer bug that should not be decoded, stored or charged.
+const MaxPayloadBytes = 64 << 10
+
+// MaxFractionDigits bounds amounts: charges are in minor units of
+// two-decimal currencies, and a third digit would be rounded somewhere.
+const MaxFractionDigits = 2
+
+// ErrInvalid is wrapped by every validation error of the decoders, so callers
+// can tell a message that can never be processed from a failure to process it.
+var ErrInvalid = errors.New("invalid event")
+
+// FieldError is a decoding error that names the event type, the field, what
+// was expected and what arrived. It wraps [ErrInvalid].
+type FieldError struct {
+	EventType string
+	Field     string // empty when the payload as a whole is wrong
+	Want      string
+	Got       string
+}
+
+func (e *FieldError) Error() string {
+	if e.Field == "" {
+		return fmt.Sprintf("%s: payload: want %s, got %s", e.EventType, e.Want, e.Got)
+	}
+	return fmt.Sprintf("%s: field %s: want %s, got %s", e.EventType, e.Field, e.Want, e.Got)
+}
+
+func (e *FieldError) Unwrap() error { return ErrInvalid }
+
+// fields is one event's top-level JSON object, read as the style guide's
+// pydantic models do: unknown fields are ignored, missing or mistyped ones
+// are an error naming the field.
+type fields struct {
+	eventType string
+	raw       map[string]json.RawMessage
+	err       error // the first error; later reads are no-ops
+}
+
+func readFields(eventType string, payload []byte) *fields {
+	f := &fields{eventType: eventType}
+	if len(payload) > MaxPayloadBytes {
+		f.err = &FieldError{EventType: eventType, Want: fmt.Sprintf("at most %d bytes", MaxPayloadBytes), Got: fmt.Sprintf("%d bytes", len(payload))}
+		return f
+	}
+	trimmed := bytes.TrimSpace(payload)
+	if len(trimmed) == 0 || trimmed[0] != '{' {
+		f.err = &FieldError{EventType: eventType, Want: "a JSON object", Got: describe(trimmed)}
+		return f
+	}
+	if err := json.Unmarshal(trimmed, &f.raw); err != nil {
+		f.err = &FieldError{EventType: eventType, Want: "a JSON object", Got: "malformed JSON (" + err.Error() + ")"}
+	}
+	return f
+}
+
+func (f *fields) fail(field, want string, raw json.RawMessage) {
+	if f.err == nil {
+		f.err = &FieldError{EventType: f.eventType, Field: field, Want: want, Got: describe(raw)}
+	}
+}
+
+// get returns the field's raw value, or records it as missing.
+func (f *fields) get(field, want string) (json.RawMessage, bool) {
+	if f.err != nil {
+		return nil, false
+	}
+	raw, ok := f.raw[field]
+	if !ok {
+		f.err = &FieldError{EventType: f.eventType, Field: field, Want: want, Got: "nothing (the field is missing)"}
+		return nil, false
+	}
+	return raw, true
+}
+
+func (f *fields) str(field, want string) (string, bool) {
+	raw, ok := f.get(field, want)
+	if !ok {
+		return "", false
+	}
+	var s string
+	if raw[0] != '"' || json.Unmarshal(raw, &s) != nil {
+		f.fail(field, want, raw)
+		return "", false
+	}
+	return s, true
+}
+
+// eventType checks the event_type field against the one expected.
+func (f *fields) checkType() {
+	want := fmt.Sprintf("the string %q", f.eventType)
+	if s, ok := f.str("event_type", want); ok && s != f.eventType {
+		f.fail("event_type", want, mustJSON(s))
+	}
+}
+
+// uuidV7 reads a UUID version 7 string (R-KFK-IDEM-1).
+func (f *fields) uuidV7(field string) uuid.UUID {
+	const want = "a UUID version 7 string"
+	s, ok := f.str(field, want)
+	if !ok {
+		return uuid.Nil
+	}
+	id, err := uuid.Parse(s)
+	if err != nil || len(s) != 36 || id.Version() != 7 || id.Variant() != uuid.RFC4122 {
+		f.fail(field, want, mustJSON(s))
+		return uuid.Nil
+	}
+	return id
+}
+
+// timestamp reads an ISO 8601 date-time with an offset, as pydantic writes a
+// datetime ("2026-12-02T15:08:21.123456Z" or "...+00:00"). A time without
+// an offset is refused: its instant would depend on the reader's zone.
+func (f *fields) timestamp(field string) time.Time {
+	const want = "an ISO 8601 date-time with an offset (2026-12-02T15:08:21.123456Z)"
+	s, ok := f.str(field, want)
+	if !ok {
+		return time.Time{}
+	}
+	t, err := time.Parse(time.RFC3339Nano, s)
+	if err != nil {
+		f.fail(field, want, mustJSON(s))
+		return time.Time{}
+	}
+	return t.UTC()
+}
+
+var jsonInteger = regexp.MustCompile(`^-?(0|[1-9][0-9]*)$`)
+
+// int64 reads a JSON integer literal. A string holding digits, a fraction or
+// an exponent is refused: the guide's field is an int, and a producer that
+// writes anything else follows another contract.
+func (f *fields) int64(field string) int64 {
+	const want = "a JSON integer (64-bit)"
+	raw, ok := f.get(field, want)
+	if !ok {
+		return 0
+	}
+	if !jsonInteger.Match(raw) {
+		f.fail(field, want, raw)
+		return 0
+	}
+	n, err := strconv.ParseInt(string(raw), 10, 64)
+	if err != nil {
+		f.fail(field, want, raw)
+		return 0
+	}
+	return n
+}
+
+var jsonNumber = regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$`)
+
+// amount reads a positive decimal with at most two fraction digits, from the
+// string pydantic writes for a Decimal or from a JSON number, parsed from its
+// literal text: never through a float64.
+func (f *fields) amount(field string) decimal.Decimal {
+	const want = "a positive decimal with at most 2 fraction digits, as a string (\"129.90\") or a JSON number"
+	raw, ok := f.get(field, want)
+	if !ok {
+		return decimal.Decimal{}
+	}
+	text := string(raw)
+	if raw[0] == '"' {
+		if json.Unmarshal(raw, &text) != nil {
+			f.fail(field, want, raw)
+			return decimal.Decimal{}
+		}
+	}
+	if !jsonNumber.MatchString(text) {
+		f.fail(field, want, raw)
+		return decimal.Decimal{}
+	}
+	d, err := decimal.NewFromString(text)
+	if err != nil || !d.IsPositive() || !d.Equal(d.Round(MaxFractionDigits)) {
+		f.fail(field, want, raw)
+		return decimal.Decimal{}
+	}
+	return d
+}
+
+// describe shows a raw JSON value in an error: its kind and, shortened, itself.
+func describe(raw []byte) string {
+	if len(raw) == 0 {
+		return "an empty payload"
+	}
+	kind := "a JSON value"
+	switch {
+	case raw[0] == '"':
+		kind = "a string"
+	case raw[0] == '{':
+		kind = "an object"
+	case raw[0] == '[':
+		kind = "an array"
+	case bytes.Equal(raw, []byte("null")):
+		return "null"
+	case bytes.Equal(raw, []byte("true")), bytes.Equal(raw, []byte("false")):
+		kind = "a boolean"
+	case raw[0] == '-' || (raw[0] >= '0' && raw[0] <= '9'):
+		kind = "a number"
+	default:
+		kind = "text that is not JSON"
+	}
+	const max = 60
+	shown := string(raw)
+	if len(shown) > max {
+		shown = shown[:max] + "..."
+	}
+	return fmt.Sprintf("%s %s", kind, shown)
+}
+
+func mustJSON(s string) json.RawMessage {
+	b, _ := json.Marshal(s)
+	return b
+}
