@@ -51,3 +51,21 @@ stop_services() {
 	done
 	ONCE_STARTED=""
 }
+
+# seedpeer_python makes the style guide's Python venv (pydantic, aiokafka,
+# from PyPI, once) and exports ONCE_SEEDPEER_DIR and ONCE_SEEDPEER_PYTHON for
+# the cross-language tests and the benchmark's peer. The judge's copy in
+# ../shared wins over the vendored one in dev/seedpeer.
+seedpeer_python() {
+	local dir=$ONCE_ROOT/dev/seedpeer shared=$ONCE_ROOT/../shared/bench/seedpeer f
+	if [[ -f $shared/produce.py ]]; then
+		for f in produce.py consume.py setup.sh; do
+			cmp -s "$shared/$f" "$dir/$f" || echo "seedpeer: $shared/$f differs from dev/seedpeer/$f; using the former" >&2
+		done
+		dir=$shared
+	fi
+	mkdir -p "$ONCE_DEV"
+	ONCE_SEEDPEER_PYTHON=$("$dir/setup.sh" "$ONCE_DEV/seedpeer-venv") || return 1
+	ONCE_SEEDPEER_DIR=$dir
+	export ONCE_SEEDPEER_DIR ONCE_SEEDPEER_PYTHON
+}

@@ -7,6 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/services.sh"
 cd "$ONCE_ROOT"
 trap stop_services EXIT
 start_services
+seedpeer_python
 # Integration tests skip without these; under this script they must not.
 export ONCE_REQUIRE_SERVICES=1
 unformatted=$(gofmt -l .)
