@@ -62,9 +62,9 @@ type scenario struct {
 	baseRevenue decimal.Decimal
 	baseOrders  int
 	procs       []*proc
-	kills     int
-	restarts  int
-	rebal     int
+	kills       int
+	restarts    int
+	rebal       int
 }
 
 func newScenario(t *testing.T, name string, partitions int32) *scenario {

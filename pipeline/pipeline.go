@@ -332,4 +332,3 @@ func delivery(topic, group string, msg *message.Message) Delivery {
 func kafkaLogAttrs(msg *message.Message) []any {
 	return []any{"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset)}
 }
-

@@ -171,10 +171,19 @@ func TestOneEventHasOneByteForm(t *testing.T) {
 func TestNewConfirmedValidates(t *testing.T) {
 	now := time.Now()
 	for name, f := range map[string]func() error{
-		"v4 id":          func() error { _, err := order.NewConfirmed(uuid.New(), now, 1, 1, decimal.NewFromInt(1)); return err },
-		"sub-cent":       func() error { _, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.RequireFromString("0.001")); return err },
-		"zero amount":    func() error { _, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.Zero); return err },
-		"zero timestamp": func() error { _, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Time{}, 1, 1, decimal.NewFromInt(1)); return err },
+		"v4 id": func() error { _, err := order.NewConfirmed(uuid.New(), now, 1, 1, decimal.NewFromInt(1)); return err },
+		"sub-cent": func() error {
+			_, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.RequireFromString("0.001"))
+			return err
+		},
+		"zero amount": func() error {
+			_, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.Zero)
+			return err
+		},
+		"zero timestamp": func() error {
+			_, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Time{}, 1, 1, decimal.NewFromInt(1))
+			return err
+		},
 	} {
 		if err := f(); !errors.Is(err, order.ErrInvalid) {
 			t.Errorf("%s: got %v, want ErrInvalid", name, err)
