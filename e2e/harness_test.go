@@ -250,7 +250,7 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 	s.t.Helper()
 	args := append([]string{"serve", "--no-migrate", "--topic", s.topic, "--dlq-topic", s.dlq, "--group-suffix", s.suffix,
 		"--groups", "billing,analytics", "--payment-url", s.providerURL, "--payment-api-key", s.account,
-		"--session-timeout", "6s", "--maintenance-interval", "0", "--max-retries", "8",
+		"--session-timeout", "6s", "--maintenance-interval", "0",
 		"--log-level", "debug", "--log-format", "json"}, extra...)
 	return s.startEnv(name, env, args...)
 }

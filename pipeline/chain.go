@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -17,20 +18,21 @@ import (
 // documentation lists them in order.
 
 // errShutdown replaces an error that happened because the pipeline is
-// stopping: neither retried nor dead-lettered, the message stays uncommitted.
+// stopping: neither held nor dead-lettered, the message stays uncommitted.
 var errShutdown = errors.New("pipeline: stopped while processing; the message stays uncommitted")
+
+// ErrRevoked means a held message was given up because its partition was
+// revoked: it was not processed, and the partition's new owner receives it
+// again.
+var ErrRevoked = errors.New("pipeline: partition revoked while the message was held; left for its new owner")
 
 // ErrReturnedMessages is the error of a handler chain that returned messages
 // to publish: the router would publish them after the commit, where a crash
 // loses them for good. Publish through the claim's transaction instead.
 var ErrReturnedMessages = errors.New("pipeline: a handler returned messages to publish after the commit; publish them in the claim's transaction instead")
 
-func (p *Pipeline) retryable(err error) bool {
-	return !idempotency.IsPermanent(err) && !errors.Is(err, errShutdown) && !errors.Is(err, idempotency.ErrRevoked)
-}
-
 func (p *Pipeline) shouldDeadLetter(err error) bool {
-	return !errors.Is(err, errShutdown) && !errors.Is(err, idempotency.ErrRevoked)
+	return idempotency.IsPermanent(err) && !errors.Is(err, errShutdown) && !errors.Is(err, ErrRevoked)
 }
 
 // deadLetter publishes a message whose processing failed for good to the
@@ -80,20 +82,108 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 func releaseRevoked(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
-		if errors.Is(err, idempotency.ErrRevoked) {
+		if errors.Is(err, ErrRevoked) {
 			return nil, nil
 		}
 		return out, err
 	}
 }
 
-func (p *Pipeline) shutdownGuard(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		if err != nil && p.stopped() {
-			return nil, fmt.Errorf("%w: %w", errShutdown, err)
+// hold tries a message again, with backoff and without end, for as long as
+// its attempts fail for a reason that is not the message's own: only a
+// permanent error leaves it (to be dead-lettered). Every attempt runs on a
+// context that ends when the partition is revoked, so a call stuck on a
+// database that went silent cannot hold a rebalance up; the wait between
+// attempts ends on revocation (ErrRevoked) and on shutdown (errShutdown).
+func (p *Pipeline) hold(topic, group string, owners *sessions) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			revoked := owners.revoked(msg)
+			wait := p.cfg.HoldBackoff
+			var heldSince time.Time
+			for attempt := 1; ; attempt++ {
+				out, err := p.attempt(msg, h, revoked)
+				if err == nil || idempotency.IsPermanent(err) {
+					if attempt > 1 {
+						p.cfg.Logger.Info("held message passed", "topic", topic, "consumer_group", group, "attempts", attempt,
+							"held_for", time.Since(heldSince).Round(time.Millisecond), "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+					}
+					return out, err
+				}
+				if p.stopped() {
+					return nil, fmt.Errorf("%w: %w", errShutdown, err)
+				}
+				if isClosed(revoked) {
+					return nil, fmt.Errorf("%w: %w", ErrRevoked, err)
+				}
+				if attempt == 1 {
+					heldSince = time.Now()
+				}
+				if p.cfg.OnHeld != nil {
+					p.cfg.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})
+				}
+				// One line per doubling of the wait: loud at first, then sparse.
+				if wait < p.cfg.HoldMaxBackoff || attempt%10 == 0 {
+					p.cfg.Logger.Warn("holding the message: its attempt failed for a reason that is not the message's own; retrying",
+						"topic", topic, "consumer_group", group, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset),
+						"attempt", attempt, "held_for", time.Since(heldSince).Round(time.Millisecond), "retry_in", wait, "err", err)
+				}
+				// The router closing ends the message context; so may a team's
+				// timeout, which must not turn the wait into a busy loop.
+				var msgDone <-chan struct{}
+				if msg.Context().Err() == nil {
+					msgDone = msg.Context().Done()
+				}
+				timer := time.NewTimer(wait)
+				select {
+				case <-timer.C:
+				case <-revoked:
+					timer.Stop()
+					return nil, fmt.Errorf("%w: %w", ErrRevoked, err)
+				case <-p.stopping:
+					timer.Stop()
+					return nil, fmt.Errorf("%w: %w", errShutdown, err)
+				case <-msgDone:
+					timer.Stop()
+					if p.stopped() {
+						return nil, fmt.Errorf("%w: %w", errShutdown, err)
+					}
+				}
+				wait = min(2*wait, p.cfg.HoldMaxBackoff)
+			}
 		}
-		return out, err
+	}
+}
+
+// attempt runs the rest of the chain once, on a context that is cancelled
+// when the partition is revoked.
+func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, revoked <-chan struct{}) ([]*message.Message, error) {
+	parent := msg.Context()
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	if revoked != nil {
+		go func() {
+			select {
+			case <-revoked:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+	}
+	msg.SetContext(ctx)
+	defer msg.SetContext(parent)
+	return h(msg)
+}
+
+func isClosed(c <-chan struct{}) bool {
+	if c == nil {
+		return false
+	}
+	select {
+	case <-c:
+		return true
+	default:
+		return false
 	}
 }
 

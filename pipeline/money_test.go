@@ -58,7 +58,7 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	group := uniqueGroup("billing")
 	var seen outcomes
 	cfg := e.config(pipeline.Group[order.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR"}.Handle})
-	cfg.RetryInitialInterval = 10 * time.Millisecond
+	cfg.HoldBackoff = 10 * time.Millisecond
 	cfg.OnResult = seen.record
 	run(t, cfg)
 

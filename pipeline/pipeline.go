@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -44,13 +44,15 @@ type Config struct {
 	// CommitInterval of CommitInterval mode. Default: 1s.
 	CommitInterval time.Duration
 
-	// MaxRetries of a failing message before it is dead-lettered; set
-	// [NoRetries] for none. Default: 5.
-	MaxRetries int
-	// RetryInitialInterval doubles per retry up to RetryMaxInterval.
-	// Defaults: 100ms and 2s.
-	RetryInitialInterval time.Duration
-	RetryMaxInterval     time.Duration
+	// HoldBackoff is the first wait before a message whose attempt failed
+	// for a reason of the environment (database, network, provider,
+	// configuration) is tried again; it doubles up to HoldMaxBackoff. Such a
+	// message is never dead-lettered. Defaults: 100ms and 5s.
+	HoldBackoff    time.Duration
+	HoldMaxBackoff time.Duration
+	// OnHeld is called after each failed attempt of a held message, before
+	// the wait. Default: none.
+	OnHeld func(Held)
 
 	// SessionTimeout of the consumer-group membership: how long the broker
 	// waits for a crashed member before giving its partitions to others; the
@@ -99,8 +101,15 @@ type DeadLetter struct {
 	Reason string
 }
 
-// NoRetries as [Config.MaxRetries] dead-letters a failing message at once.
-const NoRetries = -1
+// Held describes a message held after a failed attempt: the parameters of
+// [Config.OnHeld].
+type Held struct {
+	Delivery
+	// Attempts so far, and how long the message has been held.
+	Attempts int
+	Since    time.Duration
+	Err      error
+}
 
 func (c *Config) setDefaults() {
 	if c.KafkaVersion == "" {
@@ -112,14 +121,11 @@ func (c *Config) setDefaults() {
 	if c.CommitInterval == 0 {
 		c.CommitInterval = time.Second
 	}
-	if c.MaxRetries == 0 {
-		c.MaxRetries = 5
+	if c.HoldBackoff == 0 {
+		c.HoldBackoff = 100 * time.Millisecond
 	}
-	if c.RetryInitialInterval == 0 {
-		c.RetryInitialInterval = 100 * time.Millisecond
-	}
-	if c.RetryMaxInterval == 0 {
-		c.RetryMaxInterval = 2 * time.Second
+	if c.HoldMaxBackoff == 0 {
+		c.HoldMaxBackoff = 5 * time.Second
 	}
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
@@ -146,11 +152,8 @@ func (c *Config) Validate() error {
 	if c.CommitMode != CommitInterval && c.CommitMode != CommitSync {
 		errs = append(errs, fmt.Errorf("pipeline: CommitMode %q: want %q or %q", c.CommitMode, CommitInterval, CommitSync))
 	}
-	if c.MaxRetries < NoRetries {
-		errs = append(errs, errors.New("pipeline: MaxRetries must not be negative (NoRetries for none)"))
-	}
-	if c.CommitInterval < 0 || c.RetryInitialInterval < 0 || c.RetryMaxInterval < 0 || c.SessionTimeout < 0 || c.CloseTimeout < 0 {
-		errs = append(errs, errors.New("pipeline: durations must not be negative"))
+	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 {
+		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
 	c.topics = c.topics[:0]
 	names := map[string]bool{}
@@ -182,8 +185,8 @@ func (c *Config) Validate() error {
 type Pipeline struct {
 	cfg      Config
 	router   *message.Router
-	ownsRun  bool
-	stopping atomic.Bool
+	stopping chan struct{}
+	stopOnce sync.Once
 	closers  []func() error
 }
 
@@ -196,7 +199,7 @@ func New(cfg Config) (*Pipeline, error) {
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 		slog.LevelInfo: slog.LevelDebug, // Watermill's info lines are per subscription detail
 	})
-	p := &Pipeline{cfg: cfg, router: cfg.Router}
+	p := &Pipeline{cfg: cfg, router: cfg.Router, stopping: make(chan struct{})}
 	if p.router == nil {
 		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, wlog)
 		if err != nil {
@@ -234,8 +237,11 @@ func New(cfg Config) (*Pipeline, error) {
 func (p *Pipeline) Run(ctx context.Context) error {
 	defer p.Close()
 	go func() {
-		<-ctx.Done()
-		p.stopping.Store(true)
+		select {
+		case <-ctx.Done():
+			p.stop()
+		case <-p.stopping:
+		}
 	}()
 	return p.router.Run(ctx)
 }
@@ -245,7 +251,7 @@ func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
 
 // Close stops the router and releases the Kafka clients.
 func (p *Pipeline) Close() error {
-	p.stopping.Store(true)
+	p.stop()
 	errs := []error{p.router.Close()}
 	for _, c := range p.closers {
 		errs = append(errs, c())
@@ -254,10 +260,19 @@ func (p *Pipeline) Close() error {
 	return errors.Join(errs...)
 }
 
+func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
+
 // stopped reports whether the pipeline or its router is shutting down: an
 // error then is the shutdown's, not the message's. The message context is no
 // evidence either way: a team's middleware may give it a timeout.
-func (p *Pipeline) stopped() bool { return p.stopping.Load() || p.router.IsClosed() }
+func (p *Pipeline) stopped() bool {
+	select {
+	case <-p.stopping:
+		return true
+	default:
+		return p.router.IsClosed()
+	}
+}
 
 func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publisher, wlog watermill.LoggerAdapter) error {
 	cfg := p.cfg
@@ -275,18 +290,17 @@ func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publishe
 	p.closers = append(p.closers, sub.Close)
 
 	idem, err := idempotency.New(idempotency.Config{
-		DB:               g.db,
-		ConsumerGroup:    g.name,
-		Key:              decodedKey,
-		Schema:           cfg.ClaimSchema,
-		Table:            cfg.ClaimTable,
-		PartitionRevoked: owners.revoked,
-		MaxEventAge:      cfg.MaxEventAge,
-		MaxClockSkew:     cfg.MaxClockSkew,
-		TooOld:           g.tooOld,
-		OnResult:         cfg.OnResult,
-		Logger:           cfg.Logger,
-		LogAttrs:         kafkaLogAttrs,
+		DB:            g.db,
+		ConsumerGroup: g.name,
+		Key:           decodedKey,
+		Schema:        cfg.ClaimSchema,
+		Table:         cfg.ClaimTable,
+		MaxEventAge:   cfg.MaxEventAge,
+		MaxClockSkew:  cfg.MaxClockSkew,
+		TooOld:        g.tooOld,
+		OnResult:      cfg.OnResult,
+		Logger:        cfg.Logger,
+		LogAttrs:      kafkaLogAttrs,
 	})
 	if err != nil {
 		return fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
@@ -302,15 +316,7 @@ func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publishe
 	chain = append(chain,
 		middleware.CorrelationID,
 		poison,
-		p.shutdownGuard,
-		middleware.Retry{
-			MaxRetries:      max(cfg.MaxRetries, 0),
-			InitialInterval: cfg.RetryInitialInterval,
-			MaxInterval:     cfg.RetryMaxInterval,
-			Multiplier:      2,
-			ShouldRetry:     func(r middleware.RetryParams) bool { return p.retryable(r.Err) },
-			Logger:          wlog,
-		}.Middleware,
+		p.hold(t.name, g.name, owners),
 		middleware.Recoverer,
 		decodeWith(g.decode),
 	)

@@ -259,22 +259,33 @@ func TestCrashBetweenDatabaseCommitAndOffsetCommit(t *testing.T) {
 
 // Poison messages in the middle of a partition are dead-lettered with their
 // reason, and every valid message after them is processed. A message whose
-// handler keeps failing is retried a bounded number of times, then
-// dead-lettered too.
-func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
+// attempts fail for a reason that is not its own (a provider answering 503)
+// is held, never dead-lettered, and the partition waits for it: the message
+// behind it is processed after it, in order.
+func TestPoisonIsDeadLetteredAndAFailingMessageIsHeld(t *testing.T) {
 	e := newEnv(t, 1)
 	broken := validEvent(t, "7.00")
+	var processedOrder []uuid.UUID
+	var mu sync.Mutex
+	var brokenAttempts atomic.Int64
 	r := &recorder{group: uniqueGroup("billing"), fail: func(ev order.Confirmed) error {
-		if ev.EventID() == broken.EventID() {
+		if ev.EventID() == broken.EventID() && brokenAttempts.Add(1) <= 3 {
 			return errors.New("provider answered 503")
 		}
+		mu.Lock()
+		processedOrder = append(processedOrder, ev.EventID())
+		mu.Unlock()
 		return nil
 	}}
-	var deadLetters atomic.Int64
+	var deadLetters, held atomic.Int64
 	cfg := e.config(group(r))
-	cfg.MaxRetries = 2
-	cfg.RetryInitialInterval = 10 * time.Millisecond
+	cfg.HoldBackoff = 10 * time.Millisecond
 	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.OnHeld = func(h pipeline.Held) {
+		if h.Err != nil && strings.Contains(h.Err.Error(), "provider answered 503") {
+			held.Add(1)
+		}
+	}
 	run(t, cfg)
 
 	first := validEvent(t, "1.00")
@@ -299,25 +310,33 @@ func TestPoisonMessagesAreDeadLetteredAndPartitionKeepsFlowing(t *testing.T) {
 		testenv.Publish(t, e.prod, e.topic, "k", []byte(p))
 	}
 	testenv.Publish(t, e.prod, e.topic, "k", payload(t, broken))
-	for range 3 {
+	after := validEvent(t, "1.00")
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	for range 2 {
 		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
 	}
 
-	testenv.Eventually(t, 60*time.Second, "6 valid events processed", func() bool { return effects(t, e.pool, r.group) == 6 })
-	testenv.Eventually(t, 30*time.Second, "6 dead letters", func() bool { return deadLetters.Load() == 6 })
+	testenv.Eventually(t, 60*time.Second, "7 valid events processed", func() bool { return effects(t, e.pool, r.group) == 7 })
+	testenv.Eventually(t, 30*time.Second, "5 dead letters", func() bool { return deadLetters.Load() == 5 })
 
-	reasons := readDLQ(t, e.brokers, e.dlq, 6)
+	reasons := readDLQ(t, e.brokers, e.dlq, 5)
 	for p, want := range poison {
 		if got, ok := reasons[p]; !ok || !contains(got, want) {
-			t.Errorf("DLQ reason for %.40q = %q; want it to mention %q", p, got, want)
+			t.Errorf("DLQ reason for %q = %q; want it to mention %q", p, got, want)
 		}
 	}
-	if got := reasons[string(payload(t, broken))]; !contains(got, "provider answered 503") {
-		t.Errorf("DLQ reason for the failing event = %q", got)
+	if _, ok := reasons[string(payload(t, broken))]; ok {
+		t.Error("the held message was dead-lettered")
 	}
-	// 1 attempt + 2 retries for the failing event, 1 run for each of the 6 others.
-	if r.runs.Load() != 3+6 {
-		t.Errorf("handler ran %d times; want 9 (6 valid + 3 attempts of the failing one)", r.runs.Load())
+	if held.Load() != 3 || brokenAttempts.Load() != 4 {
+		t.Errorf("held %d times over %d attempts; want 3 failed attempts held, the 4th passing", held.Load(), brokenAttempts.Load())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i, id := range processedOrder {
+		if id == broken.EventID() && (i+1 >= len(processedOrder) || processedOrder[i+1] != after.EventID()) {
+			t.Errorf("the event behind the held one did not wait for it: %v", processedOrder)
+		}
 	}
 }
 

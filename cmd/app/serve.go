@@ -30,7 +30,7 @@ type serveCmd struct {
 	Groups     []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
 	CommitMode string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
 	CommitInt  time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
-	MaxRetries int           `name:"max-retries" env:"ONCE_MAX_RETRIES" default:"5" help:"Retries of a failing message before it is dead-lettered."`
+	HoldMax    time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
 	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
 	GroupSuffix     string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
@@ -82,8 +82,8 @@ func (s *serveCmd) Validate() error {
 	if s.CommitInt <= 0 {
 		return fmt.Errorf("--commit-interval (ONCE_COMMIT_INTERVAL) must be positive")
 	}
-	if s.MaxRetries < 0 {
-		return fmt.Errorf("--max-retries (ONCE_MAX_RETRIES) must not be negative")
+	if s.HoldMax < 100*time.Millisecond {
+		return fmt.Errorf("--hold-max-backoff (ONCE_HOLD_MAX_BACKOFF) must be at least 100ms, got %s", s.HoldMax)
 	}
 	if s.DLQReplayWindow <= 0 || s.MaintenanceInterval < 0 || s.MaxClockSkew <= 0 {
 		return fmt.Errorf("--dlq-replay-window and --max-clock-skew must be positive, --maintenance-interval not negative")
@@ -194,10 +194,6 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		}
 	}
 	var commits atomic.Int64
-	maxRetries := s.MaxRetries
-	if maxRetries == 0 {
-		maxRetries = pipeline.NoRetries
-	}
 	p, err := pipeline.New(pipeline.Config{
 		Brokers:        s.Kafka.Brokers,
 		KafkaVersion:   s.Kafka.KafkaVersion,
@@ -207,7 +203,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		MaxClockSkew:   s.MaxClockSkew,
 		CommitMode:     pipeline.CommitMode(s.CommitMode),
 		CommitInterval: s.CommitInt,
-		MaxRetries:     maxRetries,
+		HoldMaxBackoff: s.HoldMax,
 		Logger:         d.log,
 		SessionTimeout: s.SessionTimeout,
 		OnResult: func(r idempotency.Result) {

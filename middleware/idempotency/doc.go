@@ -27,12 +27,20 @@
 //     fail to commit. They need their own idempotency, such as an
 //     Idempotency-Key equal to the event id (R-KFK-IDEM-4).
 //   - Dedup lasts as long as the claim row: once a retention job removed it,
-//     a redelivery is processed again. Bound the age of what you accept.
+//     a redelivery is processed again. Bound the age of what you accept
+//     (Config.MaxEventAge, checked at every first claim on the database's
+//     clock; a duplicate is a duplicate whatever its age).
 //   - The key is the event's own id (R-KFK-IDEM-1), never a Kafka offset
 //     (R-KFK-IDEM-X2). The same id with a different payload is reported as
 //     [ErrPayloadMismatch], not skipped.
-//   - While PostgreSQL is unreachable the middleware holds the message and
-//     retries with backoff; it never turns an outage of the database into a
-//     failure of the message. It gives up only when the message context ends
-//     (shutdown) or the partition is revoked ([Config.PartitionRevoked]).
+//
+// # Errors
+//
+// Every error the middleware returns is either permanent ([IsPermanent]: the
+// message itself can never succeed, so dead-letter it) or not (the attempt
+// rolled back; the database, the network or the handler's environment
+// failed, and the same message may pass later: hold it and retry). The
+// middleware makes one attempt per call; holding, backoff and giving a
+// partition up on a rebalance are the router's job (package pipeline does
+// all three).
 package idempotency

@@ -2,8 +2,6 @@ package idempotency
 
 import (
 	"errors"
-	"io"
-	"net"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -30,11 +28,6 @@ var (
 	// ErrFromTheFuture means the event's id lies further ahead than
 	// Config.MaxClockSkew: the producer's clock is wrong.
 	ErrFromTheFuture = errors.New("idempotency: event id lies in the future beyond the clock skew bound")
-
-	// ErrRevoked means the middleware stopped waiting for the database because
-	// the message's partition was revoked; the message was not processed and
-	// its new owner will receive it again.
-	ErrRevoked = errors.New("idempotency: partition revoked while waiting for the database; message left for its new owner")
 )
 
 // PermanentError marks an error that no retry can fix (a malformed event, a
@@ -93,59 +86,6 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p) && p.Permanent()
 }
 
-// outage marks an error that means the database could not be reached or the
-// connection broke, as opposed to the database refusing this message's work.
-// An outage is never a reason to give up on a message.
-type outage struct{ error }
-
-func (o outage) Unwrap() error { return o.error }
-
-func isOutage(err error) bool {
-	var o outage
-	return errors.As(err, &o)
-}
-
-// connectionFailed classifies an error of one of the middleware's own
-// database calls (begin, claim, commit). Network errors count here because
-// pgx is the only thing these calls do; a handler's error is judged by
-// handlerHitOutage instead, since a handler's network error may well be an
-// HTTP call that failed on its own.
-func connectionFailed(err error) bool {
-	var connectErr *pgconn.ConnectError
-	var netErr net.Error
-	switch {
-	case errors.As(err, &connectErr), errors.As(err, &netErr),
-		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
-		serverUnavailable(err):
-		return true
-	}
-	// Not sent at all (the connection was already gone): safe to call an outage.
-	return pgconn.SafeToRetry(err)
-}
-
-// handlerHitOutage reports whether a handler failed because the database went
-// away under it: pgx closes a connection whose network failed, and the server
-// reports shutdowns with SQLSTATE codes.
-func handlerHitOutage(err error, connClosed bool) bool {
-	return connClosed || serverUnavailable(err)
-}
-
-func serverUnavailable(err error) bool {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return false
-	}
-	switch {
-	case len(pgErr.Code) == 5 && pgErr.Code[:2] == "08": // connection_exception
-		return true
-	case pgErr.Code == "57P01", pgErr.Code == "57P02", pgErr.Code == "57P03": // admin/crash shutdown, cannot connect now
-		return true
-	case pgErr.Code == "53300": // too_many_connections
-		return true
-	}
-	return false
-}
-
 // isSerializationFailure reports the errors a transaction gets when it lost a
 // race it could not wait out: under REPEATABLE READ or SERIALIZABLE the losing
 // claim of the same key fails with 40001 instead of returning zero rows.
@@ -154,11 +94,11 @@ func isSerializationFailure(err error) bool {
 	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
 }
 
-// ownCallFailed marks an error of the middleware's own database call as an
-// outage when it is one.
-func ownCallFailed(err error) error {
-	if connectionFailed(err) {
-		return outage{err}
-	}
-	return err
+// isDataError reports an error PostgreSQL raised about values: SQLSTATE
+// class 22 (data exception: a number out of range, a string too long) or 23
+// (integrity constraint violation). Raised by a handler's own statement, it
+// comes from the message's values, and no retry changes them.
+func isDataError(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && len(pgErr.Code) == 5 && (pgErr.Code[:2] == "22" || pgErr.Code[:2] == "23")
 }

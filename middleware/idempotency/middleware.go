@@ -23,9 +23,13 @@ import (
 //
 // %s is the claim table's quoted, schema-qualified name (Config.Schema and
 // Config.Table), fixed when the middleware is created.
+//
+// processed_at defaults to now(), the transaction's start on the database's
+// clock: the dedup horizon is checked against it.
 const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
 VALUES ($1, $2, $3)
-ON CONFLICT (event_id, consumer_group) DO NOTHING`
+ON CONFLICT (event_id, consumer_group) DO NOTHING
+RETURNING processed_at`
 
 // storedHashSQL runs as its own statement, after the claim, on purpose: at
 // READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
@@ -71,17 +75,6 @@ type Config struct {
 	// finished handler into a redelivery. Default: 10s.
 	FinishTimeout time.Duration
 
-	// OutageBackoff is the first wait after the database could not be reached;
-	// it doubles up to OutageMaxBackoff. Defaults: 100ms and 5s.
-	OutageBackoff    time.Duration
-	OutageMaxBackoff time.Duration
-
-	// PartitionRevoked, if set, returns a channel that is closed once this
-	// consumer no longer owns the message's partition. While the database is
-	// unreachable the middleware watches it and returns [ErrRevoked], so that
-	// a rebalance is not blocked by a message that cannot be processed here.
-	PartitionRevoked func(msg *message.Message) <-chan struct{}
-
 	// MaxEventAge is the dedup horizon: claims older than the retention of
 	// processed_event may be gone, so a redelivery of an event whose id is
 	// older than MaxEventAge could run again. TooOld decides what happens to
@@ -94,7 +87,9 @@ type Config struct {
 	// this: a producer clock that far ahead would put the claim in a range
 	// that ages out late and breaks the horizon arithmetic. 0 disables.
 	MaxClockSkew time.Duration
-	// Now is the clock of the horizon checks. Default time.Now.
+	// Now, if set, replaces the database's clock in the horizon checks, for
+	// tests that move time. Default: the database's clock when the claim
+	// was made (its processed_at), the same clock retention uses.
 	Now func() time.Time
 
 	// OnResult, if set, is called once per message with what happened to it.
@@ -127,20 +122,11 @@ func (c *Config) setDefaults() {
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = 10 * time.Second
 	}
-	if c.OutageBackoff == 0 {
-		c.OutageBackoff = 100 * time.Millisecond
-	}
-	if c.OutageMaxBackoff == 0 {
-		c.OutageMaxBackoff = 5 * time.Second
-	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
 	if c.TooOld == "" {
 		c.TooOld = RejectTooOld
-	}
-	if c.Now == nil {
-		c.Now = time.Now
 	}
 }
 
@@ -168,8 +154,8 @@ func (c Config) Validate() error {
 	if c.SerializationRetries < 0 {
 		errs = append(errs, errors.New("idempotency: Config.SerializationRetries must not be negative"))
 	}
-	if c.FinishTimeout < 0 || c.OutageBackoff < 0 || c.OutageMaxBackoff < c.OutageBackoff {
-		errs = append(errs, errors.New("idempotency: Config.FinishTimeout and Config.OutageBackoff must not be negative, and OutageMaxBackoff must be at least OutageBackoff"))
+	if c.FinishTimeout < 0 {
+		errs = append(errs, errors.New("idempotency: Config.FinishTimeout must not be negative"))
 	}
 	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
 		errs = append(errs, errors.New("idempotency: Config.MaxEventAge and Config.MaxClockSkew must not be negative"))
@@ -198,10 +184,10 @@ const (
 	Duplicate
 	// PayloadMismatch: the id was processed with other bytes; the handler did not run.
 	PayloadMismatch
-	// Failed: the key was invalid, or the handler or its commit failed; nothing was written.
+	// Failed: the key was invalid, or the attempt failed (the database, the
+	// handler, the commit) and rolled back; nothing was written. Result.Err
+	// says whether it is permanent.
 	Failed
-	// Abandoned: the database was unreachable until shutdown or revocation; nothing was written.
-	Abandoned
 	// Rejected: the handler recorded a permanent failure with [RejectAfterCommit];
 	// its writes and the claim committed, and the error is returned.
 	Rejected
@@ -220,8 +206,6 @@ func (o Outcome) String() string {
 		return "payload_mismatch"
 	case Failed:
 		return "failed"
-	case Abandoned:
-		return "abandoned"
 	case Rejected:
 		return "rejected"
 	case OutsideHorizon:
@@ -237,7 +221,6 @@ type Result struct {
 	ConsumerGroup string
 	Topic         string // the topic the message was consumed from, if known
 	Duration      time.Duration
-	OutageWaits   int   // times the database was unreachable and the middleware waited
 	Err           error // nil for Processed and Duplicate
 }
 
@@ -260,9 +243,11 @@ func New(cfg Config) (*Middleware, error) {
 }
 
 // Middleware wraps h as described in the package documentation. Errors it
-// returns are either [Permanent] (invalid key, [ErrPayloadMismatch], or what
-// the handler marked so), [ErrRevoked], the message context's error, or the
-// handler's own error after the rollback.
+// returns are permanent ([IsPermanent]: an invalid key, [ErrPayloadMismatch],
+// an event outside the dedup horizon, a [*RejectedError], what the handler
+// marked so, or a data error of the handler's own statement), or else the
+// error of an attempt that rolled back and may pass when tried again (the
+// database, the network, the handler's other failures).
 func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		start := time.Now()
@@ -284,53 +269,34 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		res.EventID = key
-		if err := m.checkHorizon(key); err != nil {
-			report(OutsideHorizon, err)
-			return nil, err
-		}
 		sum := sha256.Sum256(msg.Payload)
 
-		wait := m.cfg.OutageBackoff
-		for serializationRetries := 0; ; {
+		for serializationRetries := 0; ; serializationRetries++ {
 			outcome, produced, err := m.attempt(msg, h, key, sum[:])
+			if err != nil && isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries {
+				continue
+			}
 			switch {
 			case err == nil:
-				report(outcome, nil)
-				return produced, nil
-			case isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries:
-				serializationRetries++
-				continue
-			case isOutage(err):
-				res.OutageWaits++
-				m.log(msg, slog.LevelWarn, "database unreachable; holding the message", key, "err", err, "retry_in", wait)
-				if err := m.sleep(msg, wait); err != nil {
-					report(Abandoned, err)
-					return nil, err
-				}
-				wait = min(2*wait, m.cfg.OutageMaxBackoff)
-				continue
-			}
-			if outcome == Rejected {
+			case outcome == Rejected:
 				m.log(msg, slog.LevelWarn, "rejected for good; recorded and committed", key, "err", err)
-			}
-			if outcome == PayloadMismatch {
+			case outcome == PayloadMismatch:
 				m.log(msg, slog.LevelError, "event id reused with a different payload", key, "err", err)
-			}
-			if outcome == 0 {
+			case outcome == 0:
 				outcome = Failed
 			}
 			report(outcome, err)
-			return nil, err
+			return produced, err
 		}
 	}
 }
 
-// checkHorizon applies MaxEventAge and MaxClockSkew to the time in the id.
-func (m *Middleware) checkHorizon(key uuid.UUID) error {
+// checkHorizon applies MaxEventAge and MaxClockSkew to the time in the id,
+// at now on the database's clock.
+func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time) error {
 	if m.cfg.MaxEventAge == 0 && m.cfg.MaxClockSkew == 0 {
 		return nil
 	}
-	now := m.cfg.Now()
 	at := uuidV7Time(key)
 	if m.cfg.MaxClockSkew > 0 && at.After(now.Add(m.cfg.MaxClockSkew)) {
 		return Permanent(fmt.Errorf("%w: event %s is from %s, more than %s ahead", ErrFromTheFuture, key, at.Format(time.RFC3339), m.cfg.MaxClockSkew))
@@ -354,7 +320,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	msgCtx := msg.Context()
 	tx, err := m.cfg.DB.BeginTx(msgCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
 	if err != nil {
-		return 0, nil, ownCallFailed(fmt.Errorf("idempotency: begin transaction: %w", err))
+		return 0, nil, fmt.Errorf("idempotency: begin transaction: %w", err)
 	}
 	done := false
 	defer func() {
@@ -363,19 +329,29 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		}
 	}()
 
-	tag, err := tx.Exec(msgCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum)
-	if err != nil {
-		return 0, nil, ownCallFailed(fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
-	}
-	if tag.RowsAffected() == 0 {
+	var claimedAt time.Time
+	err = tx.QueryRow(msgCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum).Scan(&claimedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
 		if err := tx.QueryRow(msgCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
-			return 0, nil, ownCallFailed(fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err))
+			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 		}
 		if !bytes.Equal(stored, sum) {
 			return PayloadMismatch, nil, Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 		}
+		// Claimed before: a duplicate, whatever its age.
 		return Duplicate, nil, nil
+	}
+	if err != nil {
+		return 0, nil, fmt.Errorf("idempotency: claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+	}
+	// A first claim: checked on every attempt, so a wait of any length
+	// cannot carry an event past the horizon unnoticed.
+	if m.cfg.Now != nil {
+		claimedAt = m.cfg.Now()
+	}
+	if err := m.checkHorizon(key, claimedAt); err != nil {
+		return OutsideHorizon, nil, err
 	}
 
 	msg.SetContext(ContextWithTx(msgCtx, tx))
@@ -386,8 +362,8 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	var rejected rejectAfterCommit
 	isRejection := errors.As(err, &rejected)
 	if err != nil && !isRejection {
-		if handlerHitOutage(err, tx.Conn().IsClosed()) {
-			return Failed, nil, outage{fmt.Errorf("%w (database connection lost)", err)}
+		if !IsPermanent(err) && isDataError(err) && !tx.Conn().IsClosed() {
+			err = Permanent(err)
 		}
 		return Failed, nil, err
 	}
@@ -399,7 +375,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		// Whether a commit that lost its connection took effect is unknown;
 		// either way the next attempt decides correctly: it finds the claim
 		// (skip) or does not (process).
-		return Failed, nil, ownCallFailed(fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err))
+		return Failed, nil, fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 	}
 	if isRejection {
 		return Rejected, nil, &RejectedError{Err: rejected.err}
@@ -417,24 +393,6 @@ func (m *Middleware) rollback(msgCtx context.Context, tx pgx.Tx) {
 	// A failed rollback leaves nothing behind: PostgreSQL aborts the
 	// transaction when the connection goes, and pgx closes such a connection.
 	_ = tx.Rollback(ctx)
-}
-
-// sleep waits d, or returns why the message should be given up instead.
-func (m *Middleware) sleep(msg *message.Message, d time.Duration) error {
-	var revoked <-chan struct{}
-	if m.cfg.PartitionRevoked != nil {
-		revoked = m.cfg.PartitionRevoked(msg)
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-revoked:
-		return ErrRevoked
-	case <-msg.Context().Done():
-		return fmt.Errorf("idempotency: gave up waiting for the database: %w", msg.Context().Err())
-	}
 }
 
 func (m *Middleware) log(msg *message.Message, level slog.Level, text string, key uuid.UUID, attrs ...any) {

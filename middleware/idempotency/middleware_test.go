@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/testenv"
@@ -292,85 +293,98 @@ func TestCommitSurvivesCancelledMessageContext(t *testing.T) {
 	}
 }
 
-// While the database is unreachable the message is held, not failed and not
-// dead-lettered; once it is back, the message is processed once.
-func TestDatabaseOutageHoldsMessageUntilBack(t *testing.T) {
+// While the database is unreachable an attempt fails with an error that is
+// not permanent (the router holds the message, never dead-letters it) and
+// leaves nothing behind; once it is back, the message is processed once.
+func TestDatabaseOutageIsNotPermanentAndLeavesNothing(t *testing.T) {
 	direct := setup(t)
 	pool, proxy := testenv.ProxiedPostgres(t, direct)
 	group := uniqueGroup(t, "g")
 	id, msg := newEvent(t)
 	var runs atomic.Int64
 	var res idempotency.Result
-	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
-		OutageBackoff: 20 * time.Millisecond, OutageMaxBackoff: 100 * time.Millisecond,
-		OnResult: func(r idempotency.Result) { res = r }})
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OnResult: func(r idempotency.Result) { res = r }})
 	h := m.Middleware(recordEffect(group, &runs))
 
 	proxy.Down(true)
-	proxy.Cut()
-	go func() { time.Sleep(700 * time.Millisecond); proxy.Down(false) }()
-	if _, err := h(msg); err != nil {
-		t.Fatalf("got %v; an outage must not fail the message", err)
+	_, err := h(msg.Copy())
+	if err == nil || idempotency.IsPermanent(err) || res.Outcome != idempotency.Failed || runs.Load() != 0 {
+		t.Fatalf("got %v, result %+v, %d runs; want a failed attempt that is not permanent and never ran the handler", err, res, runs.Load())
 	}
-	if res.Outcome != idempotency.Processed || res.OutageWaits == 0 {
-		t.Fatalf("result %+v; want processed after at least one outage wait", res)
+	proxy.Down(false)
+	if _, err := h(msg.Copy()); err != nil {
+		t.Fatalf("after the outage: %v", err)
 	}
-	if effects(t, direct, id, group) != 1 {
+	if res.Outcome != idempotency.Processed || effects(t, direct, id, group) != 1 {
 		t.Fatal("want exactly one effect after the outage")
 	}
 }
 
-// A connection that breaks inside the handler is an outage as well: the
-// attempt is rolled back and repeated, not reported as the message's failure.
-func TestConnectionLostInHandlerIsRetriedAsOutage(t *testing.T) {
+// A connection that breaks inside the handler rolls the attempt back with a
+// non-permanent error; the next attempt processes the message once.
+func TestConnectionLostInHandlerIsNotPermanent(t *testing.T) {
 	direct := setup(t)
 	pool, proxy := testenv.ProxiedPostgres(t, direct)
 	group := uniqueGroup(t, "g")
 	id, msg := newEvent(t)
 	var runs atomic.Int64
 	inner := recordEffect(group, &runs)
-	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OutageBackoff: 10 * time.Millisecond})
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
 	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		if runs.Load() == 0 {
 			proxy.Cut()
 		}
 		return inner(msg)
 	})
-	if _, err := h(msg); err != nil {
-		t.Fatalf("got %v; want the attempt repeated after the connection loss", err)
+	if _, err := h(msg.Copy()); err == nil || idempotency.IsPermanent(err) {
+		t.Fatalf("got %v; want the connection loss reported as not permanent", err)
+	}
+	if claims(t, direct, id, group) != 0 {
+		t.Fatal("the broken attempt left a claim")
+	}
+	if _, err := h(msg.Copy()); err != nil {
+		t.Fatal(err)
 	}
 	if runs.Load() != 2 || effects(t, direct, id, group) != 1 {
 		t.Fatalf("%d runs, %d effects; want 2 runs and 1 effect", runs.Load(), effects(t, direct, id, group))
 	}
 }
 
-func TestOutageGivesUpOnRevocationAndShutdown(t *testing.T) {
-	direct := setup(t)
-	pool, proxy := testenv.ProxiedPostgres(t, direct)
-	proxy.Down(true)
-
-	revoked := make(chan struct{})
-	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"),
-		OutageBackoff: 10 * time.Millisecond, OutageMaxBackoff: 50 * time.Millisecond,
-		PartitionRevoked: func(*message.Message) <-chan struct{} { return revoked }})
-	h := m.Middleware(func(*message.Message) ([]*message.Message, error) {
-		t.Error("handler must not run during an outage")
-		return nil, nil
-	})
-
-	_, msg := newEvent(t)
-	time.AfterFunc(200*time.Millisecond, func() { close(revoked) })
-	if _, err := h(msg); !errors.Is(err, idempotency.ErrRevoked) {
-		t.Fatalf("got %v, want ErrRevoked", err)
+// A data error of the handler's own statement (SQLSTATE class 22 or 23) comes
+// from the message's values: permanent, and rolled back with the claim.
+func TestHandlerDataErrorIsPermanent(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	for name, stmt := range map[string]string{
+		"numeric overflow (22003)":     `SELECT 10::numeric(2,0) * 100::numeric(2,0)::numeric(2,0)`,
+		"not null violation (23502)":   `INSERT INTO idempotency_test_effect (event_id, consumer_group) VALUES (NULL, 'x')`,
+		"division by zero (22012)":     `SELECT 1/0`,
+		"invalid text for int (22P02)": `SELECT 'seventeen'::int`,
+	} {
+		_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			tx, _ := idempotency.TxFromContext(msg.Context())
+			_, err := tx.Exec(msg.Context(), stmt)
+			return nil, err
+		})(msg.Copy())
+		var pgErr *pgconn.PgError
+		if !idempotency.IsPermanent(err) || !errors.As(err, &pgErr) {
+			t.Errorf("%s: got %v; want a permanent PostgreSQL error", name, err)
+		}
 	}
-
-	m = newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"), OutageBackoff: 10 * time.Millisecond})
-	_, msg = newEvent(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	msg.SetContext(ctx)
-	if _, err := m.Middleware(recordEffect("x", new(atomic.Int64)))(msg); !errors.Is(err, context.DeadlineExceeded) || idempotency.IsPermanent(err) {
-		t.Fatalf("got %v; want the message context's error, not permanent", err)
+	if claims(t, pool, id, group) != 0 {
+		t.Fatal("a permanent failure left its claim")
+	}
+	// Other SQL errors of the handler are the environment's (a missing
+	// table is a deployment that has not migrated yet): not permanent.
+	_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := idempotency.TxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `SELECT * FROM no_such_table_yet`)
+		return nil, err
+	})(msg.Copy())
+	if err == nil || idempotency.IsPermanent(err) {
+		t.Fatalf("missing table: got %v; want an error that is not permanent", err)
 	}
 }
 
@@ -407,20 +421,34 @@ func TestRejectAfterCommitKeepsTheRecordAndReportsTheError(t *testing.T) {
 	}
 }
 
-// A handler's own network error (an HTTP call to a payment provider) is the
-// message's failure, returned for the retry budget, not a database outage to
-// wait out forever.
-func TestHandlerNetworkErrorIsNotAnOutage(t *testing.T) {
+// A handler's own errors are not permanent unless they say so: a network
+// error of an HTTP call is held by the router, not dead-lettered; an error
+// with a Permanent() bool method decides for itself.
+func TestHandlerErrorsArePermanentOnlyWhenTheySaySo(t *testing.T) {
 	pool := setup(t)
 	var res idempotency.Result
 	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"),
 		OnResult: func(r idempotency.Result) { res = r }})
-	_, msg := newEvent(t)
 	netErr := &net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")}
-	_, err := m.Middleware(func(*message.Message) ([]*message.Message, error) {
-		return nil, fmt.Errorf("charge: %w", netErr)
-	})(msg)
-	if !errors.Is(err, netErr) || res.Outcome != idempotency.Failed || res.OutageWaits != 0 {
-		t.Fatalf("got %v, result %+v; want the handler's error returned at once", err, res)
+	for _, tc := range []struct {
+		err       error
+		permanent bool
+	}{
+		{fmt.Errorf("charge: %w", netErr), false},
+		{fmt.Errorf("charge: %w", verdict{false}), false},
+		{fmt.Errorf("charge: %w", verdict{true}), true},
+		{idempotency.Permanent(verdict{false}), true}, // the outermost verdict wins
+	} {
+		_, msg := newEvent(t)
+		_, err := m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, tc.err })(msg)
+		if !errors.Is(err, tc.err) || idempotency.IsPermanent(err) != tc.permanent || res.Outcome != idempotency.Failed {
+			t.Errorf("%v: got %v (permanent %v), outcome %v; want permanent %v", tc.err, err, idempotency.IsPermanent(err), res.Outcome, tc.permanent)
+		}
 	}
 }
+
+// verdict is an error of another package that knows whether it is permanent.
+type verdict struct{ permanent bool }
+
+func (v verdict) Error() string   { return fmt.Sprintf("verdict (permanent %v)", v.permanent) }
+func (v verdict) Permanent() bool { return v.permanent }
