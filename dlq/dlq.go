@@ -9,6 +9,7 @@ package dlq
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -17,6 +18,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
 )
 
 // DefaultGroup keeps the replay progress.
@@ -35,9 +37,10 @@ type Config struct {
 	Topic string
 	// Group keeps the replay progress. Default [DefaultGroup].
 	Group string
-	// MaxAge skips (and counts) dead letters older than this: for example
-	// beyond the payment provider's key retention, where a replayed charge
-	// whose transaction had rolled back would charge again. 0 replays all.
+	// MaxAge skips (and counts) dead letters whose event is older than this
+	// (the time in its UUIDv7 event_id): for example beyond the payment
+	// provider's key retention, where a replayed charge whose transaction
+	// had rolled back would charge again. 0 replays all.
 	MaxAge time.Duration
 	// Progress, if set, is called after each message.
 	Progress func(done, total int64)
@@ -174,8 +177,25 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	return rep, nil
 }
 
+// eventTime is when the event itself happened, from the UUIDv7 in its
+// payload's event_id: always before its first charge, however often it was
+// dead-lettered since (the record's own timestamp is reset each time). A
+// payload without one falls back to the record's timestamp.
+func eventTime(m *sarama.ConsumerMessage) time.Time {
+	var doc struct {
+		EventID string `json:"event_id"`
+	}
+	if json.Unmarshal(m.Value, &doc) == nil {
+		if id, err := uuid.Parse(doc.EventID); err == nil && id.Version() == 7 {
+			sec, nsec := id.Time().UnixTime()
+			return time.Unix(sec, nsec)
+		}
+	}
+	return m.Timestamp
+}
+
 func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessage, rep *Report) error {
-	if cfg.MaxAge > 0 && cfg.Now().Sub(m.Timestamp) > cfg.MaxAge {
+	if cfg.MaxAge > 0 && cfg.Now().Sub(eventTime(m)) > cfg.MaxAge {
 		rep.SkippedStale++
 		return nil
 	}

@@ -5,7 +5,7 @@
 // transaction, and commits or rolls back exactly as in production. Deliver
 // an event twice and assert that its effect happened once.
 //
-//	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.Handle})
+//	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.OnConfirmed})
 //	h.DeliverTwice(ev) // fails the test unless the second delivery was a skipped duplicate
 //	// then count the handler's rows: one effect.
 package oncetest
@@ -13,6 +13,7 @@ package oncetest
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -103,8 +104,25 @@ func (h *Harness[E]) Group() string { return h.cfg.Group }
 // Runs is how often the handler was called, over all deliveries.
 func (h *Harness[E]) Runs() int { return h.runs }
 
+// errRolledBack is what the harness makes an attempt fail with after the
+// handler ran, to roll it back as a crash or a failed commit would.
+var errRolledBack = errors.New("oncetest: attempt rolled back after the handler ran")
+
 // Deliver delivers ev once, as a Kafka delivery would reach the handler.
 func (h *Harness[E]) Deliver(ev E) Delivery {
+	h.t.Helper()
+	return h.deliver(ev, false)
+}
+
+// DeliverRolledBack delivers ev and rolls the claim's transaction back after
+// the handler returned, whatever it returned: what a crash before the commit
+// leaves behind. Only the handler's effects outside the transaction remain.
+func (h *Harness[E]) DeliverRolledBack(ev E) Delivery {
+	h.t.Helper()
+	return h.deliver(ev, true)
+}
+
+func (h *Harness[E]) deliver(ev E, rollBack bool) Delivery {
 	h.t.Helper()
 	payload, err := h.cfg.Encode(ev)
 	if err != nil {
@@ -119,15 +137,26 @@ func (h *Harness[E]) Deliver(ev E) Delivery {
 		if err != nil {
 			return nil, err
 		}
-		return nil, h.cfg.Handle(msg.Context(), tx, msg.Context().Value(eventCtxKey{}).(E))
+		err = h.cfg.Handle(msg.Context(), tx, msg.Context().Value(eventCtxKey{}).(E))
+		if rollBack {
+			return nil, errRolledBack
+		}
+		return nil, err
 	})(msg)
 	return Delivery{Outcome: h.last.Outcome, Err: err, HandlerRan: h.runs > before}
 }
 
-// DeliverTwice delivers ev twice and fails the test unless the first
-// delivery ran the handler and the second was a duplicate that did not.
+// DeliverTwice delivers ev three times: an attempt that rolls back after the
+// handler ran ([Harness.DeliverRolledBack]), a delivery that commits, and a
+// redelivery. It fails the test unless the committed delivery ran the
+// handler and the redelivery was a duplicate that did not, and returns
+// those two. Assert afterwards that the handler's effect happened once.
 func (h *Harness[E]) DeliverTwice(ev E) (first, second Delivery) {
 	h.t.Helper()
+	if d := h.DeliverRolledBack(ev); !d.HandlerRan || !errors.Is(d.Err, errRolledBack) || h.Claimed(ev) {
+		h.t.Fatalf("oncetest: rolled-back delivery of %s: handler ran %v, error %v, claimed %v; want a run that left no claim",
+			ev.EventID(), d.HandlerRan, d.Err, h.Claimed(ev))
+	}
 	first = h.Deliver(ev)
 	if !first.HandlerRan || (first.Outcome != idempotency.Processed && first.Outcome != idempotency.Rejected) {
 		h.t.Fatalf("oncetest: first delivery of %s: outcome %s, error %v; want processed or rejected", ev.EventID(), first.Outcome, first.Err)

@@ -4,18 +4,32 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
 )
 
 // The stages of the safety chain that are the pipeline's own; the package
 // documentation lists them in order.
+
+// DB begins the transaction that holds a message's claim, and is where the
+// group's dead letters and outbox events wait for Kafka. *pgxpool.Pool
+// implements it.
+type DB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+type pgxTx = pgx.Tx
 
 // errShutdown replaces an error that happened because the pipeline is
 // stopping: neither held nor dead-lettered, the message stays uncommitted.
@@ -31,49 +45,42 @@ var ErrRevoked = errors.New("pipeline: partition revoked while the message was h
 // loses them for good. Publish through the claim's transaction instead.
 var ErrReturnedMessages = errors.New("pipeline: a handler returned messages to publish after the commit; publish them in the claim's transaction instead")
 
-func (p *Pipeline) shouldDeadLetter(err error) bool {
-	return idempotency.IsPermanent(err) && !errors.Is(err, errShutdown) && !errors.Is(err, ErrRevoked)
-}
+// maxReasonBytes bounds the reason header of a dead letter: the error text
+// is ours, and the letter must still fit the broker's message size.
+const maxReasonBytes = 4 << 10
 
-// deadLetter publishes a message whose processing failed for good to the
-// topic's dead-letter topic, with Watermill's poison-queue headers: the
-// reason, the topic, and the consumer group as the handler. A publish that
-// fails leaves the message unacknowledged, to be delivered again.
-func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, pub message.Publisher) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err == nil || !p.shouldDeadLetter(err) {
-				return out, err
-			}
-			dead := message.NewMessage(msg.UUID, msg.Payload)
-			for k, v := range msg.Metadata {
-				dead.Metadata.Set(k, v)
-			}
-			dead.Metadata.Set(middleware.ReasonForPoisonedKey, err.Error())
-			dead.Metadata.Set(middleware.PoisonedTopicKey, t.name)
-			dead.Metadata.Set(middleware.PoisonedHandlerKey, g.name)
-			dead.Metadata.Set(middleware.PoisonedSubscriberKey, message.SubscriberNameFromCtx(msg.Context()))
-			if perr := pub.Publish(t.dlq, dead); perr != nil {
-				return nil, errors.Join(err, fmt.Errorf("pipeline: dead-letter to %s: %w", t.dlq, perr))
-			}
-			if p.cfg.OnDeadLetter != nil {
-				p.cfg.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error()})
-			}
-			return nil, nil
-		}
-	}
-}
+type deliveryCtxKey struct{}
 
+// delivered reports the delivery and remembers the context the subscriber
+// gave the message: its end is the shutdown's, whatever contexts a team's
+// middleware puts in front of it later.
 func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			if p.cfg.OnDelivered != nil {
 				p.cfg.OnDelivered(delivery(topic, group, msg))
 			}
+			orig := msg.Context()
+			msg.SetContext(context.WithValue(orig, deliveryCtxKey{}, orig))
+			defer msg.SetContext(orig)
 			return h(msg)
 		}
 	}
+}
+
+// stopped reports whether the message is being processed while the pipeline
+// or its router shuts down: an error then is the shutdown's, not the
+// message's. A message context a team's middleware shortened is no evidence.
+func (p *Pipeline) stopped(msg *message.Message) bool {
+	select {
+	case <-p.stopping:
+		return true
+	default:
+	}
+	if orig, ok := msg.Context().Value(deliveryCtxKey{}).(context.Context); ok && orig.Err() != nil {
+		return true
+	}
+	return p.router.IsClosed()
 }
 
 // releaseRevoked acknowledges a message given up because its partition was
@@ -87,6 +94,91 @@ func releaseRevoked(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return out, err
 	}
+}
+
+// refuseReturnedMessages drops messages that a team's Observe or BeforeClaim
+// middleware returned after the claim committed: publishing them now could
+// be lost, and failing the delivery would redeliver a duplicate that returns
+// them again, forever. They are logged as the bug they are.
+func refuseReturnedMessages(log *slog.Logger, topic, group string) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if len(out) > 0 {
+				log.Error("dropped messages a middleware returned to publish after the commit; publish them in the claim's transaction instead",
+					"topic", topic, "consumer_group", group, "messages", len(out), "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+			}
+			return nil, err
+		}
+	}
+}
+
+// refuseMessagesInTx fails an attempt whose handler or InTx middleware
+// returned messages, before the commit: nothing of it is kept.
+func refuseMessagesInTx(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err == nil && len(out) > 0 {
+			return nil, fmt.Errorf("%w (%d messages)", ErrReturnedMessages, len(out))
+		}
+		return out, err
+	}
+}
+
+// deadLetter acknowledges a message that failed for good after its dead
+// letter is committed in the group's database: in the claim's transaction
+// for a handler's rejection, in a transaction of its own otherwise. The
+// group's drainer publishes it to the topic's dead-letter topic. While the
+// letter cannot be written, the message is held like any other.
+func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, owners *sessions) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil || !idempotency.IsPermanent(err) {
+				return out, err
+			}
+			var rejected *idempotency.RejectedError
+			if !errors.As(err, &rejected) || !rejected.DeadLettered {
+				letter := p.letter(t, g, msg, err)
+				revoked := owners.revoked(msg)
+				wait := p.cfg.HoldBackoff
+				for attempt := 1; ; attempt++ {
+					perr := p.letters.Park(context.WithoutCancel(msg.Context()), g.db, letter)
+					if perr == nil {
+						break
+					}
+					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
+						"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "attempt", attempt, "err", perr)
+					if werr := p.pause(msg, revoked, wait); werr != nil {
+						return nil, fmt.Errorf("%w: %w", werr, perr)
+					}
+					wait = min(2*wait, p.cfg.HoldMaxBackoff)
+				}
+			}
+			p.letters.Nudge()
+			if p.cfg.OnDeadLetter != nil {
+				p.cfg.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error()})
+			}
+			return nil, nil
+		}
+	}
+}
+
+// letter is a message's dead letter, with Watermill's poison-queue headers:
+// the reason, the topic, and the consumer group as the handler.
+func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, reason error) dlq.Letter {
+	headers := make(map[string]string, len(msg.Metadata)+4)
+	for k, v := range msg.Metadata {
+		headers[k] = v
+	}
+	text := reason.Error()
+	if len(text) > maxReasonBytes {
+		text = text[:maxReasonBytes] + "... (truncated)"
+	}
+	headers[middleware.ReasonForPoisonedKey] = text
+	headers[middleware.PoisonedTopicKey] = t.name
+	headers[middleware.PoisonedHandlerKey] = g.name
+	return dlq.Letter{Topic: t.dlq, Key: []byte(msg.Metadata.Get(MetaKafkaKey)), Payload: msg.Payload, Headers: headers}
 }
 
 // hold tries a message again, with backoff and without end, for as long as
@@ -110,49 +202,58 @@ func (p *Pipeline) hold(topic, group string, owners *sessions) message.HandlerMi
 					}
 					return out, err
 				}
-				if p.stopped() {
-					return nil, fmt.Errorf("%w: %w", errShutdown, err)
-				}
-				if isClosed(revoked) {
-					return nil, fmt.Errorf("%w: %w", ErrRevoked, err)
-				}
 				if attempt == 1 {
 					heldSince = time.Now()
 				}
-				if p.cfg.OnHeld != nil {
-					p.cfg.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})
-				}
-				// One line per doubling of the wait: loud at first, then sparse.
-				if wait < p.cfg.HoldMaxBackoff || attempt%10 == 0 {
-					p.cfg.Logger.Warn("holding the message: its attempt failed for a reason that is not the message's own; retrying",
-						"topic", topic, "consumer_group", group, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset),
-						"attempt", attempt, "held_for", time.Since(heldSince).Round(time.Millisecond), "retry_in", wait, "err", err)
-				}
-				// The router closing ends the message context; so may a team's
-				// timeout, which must not turn the wait into a busy loop.
-				var msgDone <-chan struct{}
-				if msg.Context().Err() == nil {
-					msgDone = msg.Context().Done()
-				}
-				timer := time.NewTimer(wait)
-				select {
-				case <-timer.C:
-				case <-revoked:
-					timer.Stop()
-					return nil, fmt.Errorf("%w: %w", ErrRevoked, err)
-				case <-p.stopping:
-					timer.Stop()
-					return nil, fmt.Errorf("%w: %w", errShutdown, err)
-				case <-msgDone:
-					timer.Stop()
-					if p.stopped() {
-						return nil, fmt.Errorf("%w: %w", errShutdown, err)
+				if !p.stopped(msg) && !isClosed(revoked) {
+					if p.cfg.OnHeld != nil {
+						p.cfg.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})
 					}
+					// Loud while the wait grows, then one line in ten.
+					if wait < p.cfg.HoldMaxBackoff || attempt%10 == 0 {
+						p.cfg.Logger.Warn("holding the message: its attempt failed for a reason that is not the message's own; retrying",
+							"topic", topic, "consumer_group", group, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset),
+							"attempt", attempt, "held_for", time.Since(heldSince).Round(time.Millisecond), "retry_in", wait, "err", err)
+					}
+				}
+				if werr := p.pause(msg, revoked, wait); werr != nil {
+					return nil, fmt.Errorf("%w: %w", werr, err)
 				}
 				wait = min(2*wait, p.cfg.HoldMaxBackoff)
 			}
 		}
 	}
+}
+
+// pause waits d before a message's next try, or says why there is none:
+// ErrRevoked or errShutdown.
+func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.Duration) error {
+	if p.stopped(msg) {
+		return errShutdown
+	}
+	if isClosed(revoked) {
+		return ErrRevoked
+	}
+	// The router closing ends the message context; so may a team's
+	// timeout, which must not turn the wait into a busy loop.
+	var msgDone <-chan struct{}
+	if msg.Context().Err() == nil {
+		msgDone = msg.Context().Done()
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+	case <-revoked:
+		return ErrRevoked
+	case <-p.stopping:
+		return errShutdown
+	case <-msgDone:
+		if p.stopped(msg) {
+			return errShutdown
+		}
+	}
+	return nil
 }
 
 // attempt runs the rest of the chain once, on a context that is cancelled
@@ -215,27 +316,17 @@ func decodedKey(msg *message.Message) (uuid.UUID, error) {
 	return ev.id, nil
 }
 
-func refuseReturnedMessages(h message.HandlerFunc) message.HandlerFunc {
+func handleWith(handle func(ctx context.Context, tx pgx.Tx, ev any) error) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		if err == nil && len(out) > 0 {
-			return nil, fmt.Errorf("%w (%d messages)", ErrReturnedMessages, len(out))
-		}
-		return out, err
-	}
-}
-
-func handleWith(handle func(ctx context.Context, tx pgx.Tx, ev any) error) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, err := idempotency.TxFromContext(ctx)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		ev, ok := ctx.Value(eventCtxKey{}).(decoded)
 		if !ok {
-			return errors.New("pipeline: no decoded event in the message context")
+			return nil, errors.New("pipeline: no decoded event in the message context")
 		}
-		return handle(ctx, tx, ev.value)
+		return nil, handle(ctx, tx, ev.value)
 	}
 }

@@ -44,8 +44,8 @@ func saramaBase(version sarama.KafkaVersion, clientID string) *sarama.Config {
 	return c
 }
 
-func subscriberSaramaConfig(cfg Config, group string) *sarama.Config {
-	c := saramaBase(cfg.kafkaVersion, "once-"+group)
+func subscriberSaramaConfig(cfg Config, version sarama.KafkaVersion, group string) *sarama.Config {
+	c := saramaBase(version, "once-"+group)
 	c.Consumer.Return.Errors = true
 	// A new group must see the topic's history, not only what arrives after it joined.
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest

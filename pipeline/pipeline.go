@@ -15,7 +15,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/schema"
 )
 
 // Config configures a [Pipeline]. Optional fields have working zero values;
@@ -30,14 +33,15 @@ type Config struct {
 	DB DB
 	// Topics to consume: [Topic] values of any event types. At least one.
 	Topics []Binding
-	// Router to add the handlers to, keeping its own router-level middleware
-	// (which runs outside the safety chain). Default: a router of the pipeline's.
+	// Router to add the handlers to, keeping its own router-level middleware,
+	// which always runs outside the safety chain. Run it with [Pipeline.Run].
+	// Default: a router of the pipeline's.
 	Router *message.Router
 
-	// ClaimSchema and ClaimTable name the claim table in every group's
-	// database, as package schema created it. Defaults: "public", "processed_event".
-	ClaimSchema string
-	ClaimTable  string
+	// Schema names the library's tables in every group's database, as
+	// package schema created them (the claim table, the outbox, the parked
+	// dead letters). Default: the zero schema.Config, public.processed_event.
+	Schema schema.Config
 
 	// CommitMode: [CommitInterval] or [CommitSync]. Default: CommitInterval.
 	CommitMode CommitMode
@@ -50,9 +54,6 @@ type Config struct {
 	// message is never dead-lettered. Defaults: 100ms and 5s.
 	HoldBackoff    time.Duration
 	HoldMaxBackoff time.Duration
-	// OnHeld is called after each failed attempt of a held message, before
-	// the wait. Default: none.
-	OnHeld func(Held)
 
 	// SessionTimeout of the consumer-group membership: how long the broker
 	// waits for a crashed member before giving its partitions to others; the
@@ -74,15 +75,19 @@ type Config struct {
 	// OnDelivered is called for every message a group's chain receives.
 	// Default: none.
 	OnDelivered func(Delivery)
-	// OnDeadLetter is called after a message was published to its topic's
+	// OnHeld is called after each failed attempt of a held message, before
+	// the wait. Default: none.
+	OnHeld func(Held)
+	// OnDeadLetter is called when a message was dead-lettered: its letter is
+	// committed in the group's database, on its way to the topic's
 	// dead-letter topic. Default: none.
 	OnDeadLetter func(DeadLetter)
+	// OnForwarded is called after an event of a group's outbox reached
+	// Kafka, before its row is acknowledged. Default: none.
+	OnForwarded func(Forwarded)
 
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
-
-	kafkaVersion sarama.KafkaVersion
-	topics       []topicBinding
 }
 
 // Delivery says where a message came from: the parameters of [Config.OnDelivered].
@@ -93,14 +98,6 @@ type Delivery struct {
 	Offset    int64
 }
 
-// DeadLetter describes a message published to a dead-letter topic: the
-// parameters of [Config.OnDeadLetter].
-type DeadLetter struct {
-	Delivery
-	DLQ    string
-	Reason string
-}
-
 // Held describes a message held after a failed attempt: the parameters of
 // [Config.OnHeld].
 type Held struct {
@@ -109,6 +106,21 @@ type Held struct {
 	Attempts int
 	Since    time.Duration
 	Err      error
+}
+
+// Forwarded describes an outbox event that reached Kafka: the parameters of
+// [Config.OnForwarded].
+type Forwarded struct {
+	Topic string
+	ID    string // the event id the handler gave it
+}
+
+// DeadLetter describes a dead-lettered message: the parameters of
+// [Config.OnDeadLetter].
+type DeadLetter struct {
+	Delivery
+	DLQ    string
+	Reason string
 }
 
 func (c *Config) setDefaults() {
@@ -137,10 +149,17 @@ func (c *Config) setDefaults() {
 
 // Validate reports every missing or impossible setting at once. It has no
 // side effects.
-func (c *Config) Validate() error {
+func (c Config) Validate() error {
+	c.setDefaults()
+	_, _, err := c.resolve()
+	return err
+}
+
+// resolve checks the configuration and erases the topics' event types.
+func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	var errs []error
-	var err error
-	if c.kafkaVersion, err = ParseKafkaVersion(c.KafkaVersion); err != nil {
+	version, err := ParseKafkaVersion(c.KafkaVersion)
+	if err != nil {
 		errs = append(errs, fmt.Errorf("pipeline: KafkaVersion: %w", err))
 	}
 	if len(c.Brokers) == 0 {
@@ -155,7 +174,11 @@ func (c *Config) Validate() error {
 	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
-	c.topics = c.topics[:0]
+	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
+		errs = append(errs, errors.New("pipeline: MaxEventAge and MaxClockSkew must not be negative"))
+	}
+	errs = append(errs, c.Schema.Validate())
+	var topics []topicBinding
 	names := map[string]bool{}
 	for _, t := range c.Topics {
 		if t == nil {
@@ -169,6 +192,9 @@ func (c *Config) Validate() error {
 		}
 		names[b.name] = true
 		for i, g := range b.groups {
+			if g.tooOld != "" && g.tooOld != idempotency.RejectTooOld && g.tooOld != idempotency.ProcessTooOld {
+				errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: TooOld %q: want %q or %q", b.name, g.name, g.tooOld, idempotency.RejectTooOld, idempotency.ProcessTooOld))
+			}
 			if g.db == nil {
 				b.groups[i].db = c.DB
 				if c.DB == nil {
@@ -176,83 +202,164 @@ func (c *Config) Validate() error {
 				}
 			}
 		}
-		c.topics = append(c.topics, b)
+		topics = append(topics, b)
 	}
-	return errors.Join(errs...)
+	return version, topics, errors.Join(errs...)
 }
 
-// Pipeline runs consumer groups on topics in one Watermill router.
+// Pipeline runs consumer groups on topics in one Watermill router, and,
+// for every database of its groups, moves committed dead letters and outbox
+// events to Kafka.
 type Pipeline struct {
-	cfg      Config
-	router   *message.Router
-	stopping chan struct{}
-	stopOnce sync.Once
-	closers  []func() error
+	cfg       Config
+	version   sarama.KafkaVersion
+	router    *message.Router
+	ownRouter bool
+	stopping  chan struct{}
+	stopOnce  sync.Once
+	producer  sarama.SyncProducer // dead letters and outbox events
+	kafkaPub  outbox.KafkaPublisher
+	letters   *dlq.Store
+	outbox    *outbox.Outbox
+	dbs       []DB // distinct databases of the groups, in order of appearance
+	closers   []func() error
 }
 
-// New builds the router's handlers. It connects to nothing until [Pipeline.Run].
+// New builds the router's handlers. It connects to Kafka only to make its
+// producer; it consumes nothing until [Pipeline.Run].
 func New(cfg Config) (*Pipeline, error) {
 	cfg.setDefaults()
-	if err := cfg.Validate(); err != nil {
+	version, topics, err := cfg.resolve()
+	if err != nil {
 		return nil, err
 	}
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 		slog.LevelInfo: slog.LevelDebug, // Watermill's info lines are per subscription detail
 	})
-	p := &Pipeline{cfg: cfg, router: cfg.Router, stopping: make(chan struct{})}
+	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{})}
+	schemaCfg := cfg.Schema
+	if p.letters, err = dlq.NewStore(dlq.StoreConfig{Schema: schemaCfg.Schema, Table: schemaCfg.DeadLetters}); err != nil {
+		return nil, err
+	}
+	if p.outbox, err = outbox.New(outbox.Config{Schema: schemaCfg.Schema, Table: schemaCfg.Outbox, Logger: cfg.Logger}); err != nil {
+		return nil, err
+	}
 	if p.router == nil {
 		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, wlog)
 		if err != nil {
 			return nil, err
 		}
-		p.router = r
+		p.router, p.ownRouter = r, true
 	}
-
-	dlq, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:               cfg.Brokers,
-		Marshaler:             kafka.DefaultMarshaler{},
-		OverwriteSaramaConfig: PublisherSaramaConfig(cfg.kafkaVersion),
-	}, wlog)
+	p.producer, err = sarama.NewSyncProducer(cfg.Brokers, PublisherSaramaConfig(version))
 	if err != nil {
-		return nil, fmt.Errorf("pipeline: dead-letter publisher: %w", err)
+		return nil, fmt.Errorf("pipeline: kafka producer on %v: %w", cfg.Brokers, err)
 	}
-	p.closers = append(p.closers, dlq.Close)
+	p.closers = append(p.closers, p.producer.Close)
+	p.kafkaPub = outbox.KafkaPublisher{Producer: p.producer}
+	if cfg.OnForwarded != nil {
+		p.kafkaPub.AfterPublish = func(topic string, m *message.Message) { cfg.OnForwarded(Forwarded{Topic: topic, ID: m.UUID}) }
+	}
 
-	for _, t := range cfg.topics {
+	// Every group is built before any handler is registered: a router that
+	// holds a handler that never runs could not close.
+	type built struct {
+		t   topicBinding
+		g   groupBinding
+		sub message.Subscriber
+		h   message.NoPublishHandlerFunc
+	}
+	var all []built
+	seen := map[DB]bool{}
+	for _, t := range topics {
 		for _, g := range t.groups {
-			if err := p.addGroup(t, g, dlq, wlog); err != nil {
+			sub, h, err := p.buildGroup(t, g, wlog)
+			if err != nil {
 				p.Close()
 				return nil, err
 			}
+			all = append(all, built{t, g, sub, h})
+			if !seen[g.db] {
+				seen[g.db] = true
+				p.dbs = append(p.dbs, g.db)
+			}
 		}
+	}
+	for _, b := range all {
+		p.router.AddConsumerHandler(b.t.name+"/"+b.g.name, b.t.name, b.sub, b.h)
 	}
 	return p, nil
 }
 
-// Run runs the router until ctx is cancelled or every handler stopped, then
-// closes it, letting in-flight messages finish (their commits survive the
-// cancellation; see the idempotency package), and releases the Kafka clients.
-// If you passed your own Router and run it yourself instead, call
-// [Pipeline.Close] after it stopped.
+// Run runs the router (its own, or the team's from [Config.Router]) and the
+// dead-letter drainers and outbox forwarders of the groups' databases, until
+// ctx is cancelled or every handler stopped. Closing lets in-flight messages
+// finish (their commits survive the cancellation; see the idempotency
+// package). A team's router that already runs gets the pipeline's handlers
+// started, and is left running when ctx ends: stop it yourself.
 func (p *Pipeline) Run(ctx context.Context) error {
 	defer p.Close()
+	// stopping is closed before the router's context is cancelled, so that
+	// an error caused by the cancellation is always seen as the shutdown's.
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
 	go func() {
 		select {
 		case <-ctx.Done():
-			p.stop()
 		case <-p.stopping:
 		}
+		p.stop()
+		cancel()
 	}()
-	return p.router.Run(ctx)
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for _, db := range p.dbs {
+		wg.Go(func() {
+			p.letters.Drain(runCtx, dlq.DrainConfig{DB: db, Producer: p.producer, Logger: p.cfg.Logger})
+		})
+		wg.Go(func() { p.forward(runCtx, db) })
+	}
+
+	if !p.ownRouter && p.router.IsRunning() {
+		if err := p.router.RunHandlers(runCtx); err != nil {
+			return err
+		}
+		<-runCtx.Done()
+		return nil
+	}
+	return p.router.Run(runCtx)
+}
+
+// forward runs the outbox forwarder of one database until ctx ends,
+// restarting it after a failure.
+func (p *Pipeline) forward(ctx context.Context, db DB) {
+	for ctx.Err() == nil {
+		fw, err := p.outbox.Forwarder(db, p.kafkaPub)
+		if err == nil {
+			err = fw.Run(ctx)
+		}
+		if err != nil && ctx.Err() == nil {
+			p.cfg.Logger.Warn("outbox forwarder stopped; restarting it", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
 }
 
 // Running is closed once every handler is subscribed.
 func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
 
-// Close stops the router and releases the Kafka clients.
+// Close stops the pipeline: its own router (a team's router is the team's to
+// close), and the Kafka clients.
 func (p *Pipeline) Close() error {
 	p.stop()
-	errs := []error{p.router.Close()}
+	var errs []error
+	if p.ownRouter {
+		errs = append(errs, p.router.Close())
+	}
 	for _, c := range p.closers {
 		errs = append(errs, c())
 	}
@@ -262,30 +369,22 @@ func (p *Pipeline) Close() error {
 
 func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
 
-// stopped reports whether the pipeline or its router is shutting down: an
-// error then is the shutdown's, not the message's. The message context is no
-// evidence either way: a team's middleware may give it a timeout.
-func (p *Pipeline) stopped() bool {
-	select {
-	case <-p.stopping:
-		return true
-	default:
-		return p.router.IsClosed()
-	}
-}
-
-func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publisher, wlog watermill.LoggerAdapter) error {
+// buildGroup makes a group's subscriber and the handler that carries its
+// whole safety chain. The chain is composed here rather than added as router
+// middleware: a team's router-level middleware, added before or after New,
+// then always runs outside it and never inside the claim's transaction.
+func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (message.Subscriber, message.NoPublishHandlerFunc, error) {
 	cfg := p.cfg
 	owners := newSessions()
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers:               cfg.Brokers,
 		Unmarshaler:           unmarshaler{},
-		OverwriteSaramaConfig: subscriberSaramaConfig(cfg, g.name),
+		OverwriteSaramaConfig: subscriberSaramaConfig(cfg, p.version, g.name),
 		ConsumerGroup:         g.name,
 		Tracer:                owners,
 	}, wlog)
 	if err != nil {
-		return fmt.Errorf("pipeline: subscriber for topic %s, group %s: %w", t.name, g.name, err)
+		return nil, nil, fmt.Errorf("pipeline: subscriber for topic %s, group %s: %w", t.name, g.name, err)
 	}
 	p.closers = append(p.closers, sub.Close)
 
@@ -293,40 +392,43 @@ func (p *Pipeline) addGroup(t topicBinding, g groupBinding, dlq message.Publishe
 		DB:            g.db,
 		ConsumerGroup: g.name,
 		Key:           decodedKey,
-		Schema:        cfg.ClaimSchema,
-		Table:         cfg.ClaimTable,
+		Schema:        cfg.Schema.Schema,
+		Table:         cfg.Schema.ClaimTable,
 		MaxEventAge:   cfg.MaxEventAge,
 		MaxClockSkew:  cfg.MaxClockSkew,
 		TooOld:        g.tooOld,
 		OnResult:      cfg.OnResult,
 		Logger:        cfg.Logger,
 		LogAttrs:      kafkaLogAttrs,
+		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
+			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
+		},
 	})
 	if err != nil {
-		return fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
+		return nil, nil, fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
 	}
 
-	poison := p.deadLetter(t, g, dlq)
-
-	chain := []message.HandlerMiddleware{
-		p.delivered(t.name, g.name),
-		releaseRevoked,
-	}
+	chain := []message.HandlerMiddleware{p.delivered(t.name, g.name), releaseRevoked, refuseReturnedMessages(cfg.Logger, t.name, g.name)}
 	chain = append(chain, g.extra.Observe...)
 	chain = append(chain,
 		middleware.CorrelationID,
-		poison,
+		p.deadLetter(t, g, owners),
 		p.hold(t.name, g.name, owners),
 		middleware.Recoverer,
 		decodeWith(g.decode),
 	)
 	chain = append(chain, g.extra.BeforeClaim...)
-	chain = append(chain, idem.Middleware, refuseReturnedMessages)
+	chain = append(chain, idem.Middleware, refuseMessagesInTx)
 	chain = append(chain, g.extra.InTx...)
 
-	h := p.router.AddConsumerHandler(t.name+"/"+g.name, t.name, sub, handleWith(g.handle))
-	h.AddMiddleware(chain...)
-	return nil
+	h := handleWith(g.handle)
+	for i := len(chain) - 1; i >= 0; i-- {
+		h = chain[i](h)
+	}
+	return sub, func(msg *message.Message) error {
+		_, err := h(msg)
+		return err
+	}, nil
 }
 
 func delivery(topic, group string, msg *message.Message) Delivery {

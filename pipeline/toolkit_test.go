@@ -123,13 +123,12 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	router.AddMiddleware(routerLevel.middleware)
 	var seen outcomes
 	p, err := pipeline.New(pipeline.Config{
-		Brokers:     e.brokers,
-		DB:          e.pool,
-		Router:      router,
-		ClaimSchema: names.Schema,
-		ClaimTable:  names.ClaimTable,
-		Logger:      quietLogger(),
-		OnResult:    seen.record,
+		Brokers:  e.brokers,
+		DB:       e.pool,
+		Router:   router,
+		Schema:   names,
+		Logger:   quietLogger(),
+		OnResult: seen.record,
 		Topics: []pipeline.Binding{
 			pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed,
 				Groups: []pipeline.Group[order.Confirmed]{group(orders)},

@@ -33,12 +33,6 @@ type Decoder[E Event] func(payload []byte) (E, error)
 // back and the event is tried again.
 type HandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, ev E) error
 
-// DB begins the transaction that holds a message's claim. *pgxpool.Pool
-// implements it.
-type DB interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
-
 // Topic binds one Kafka topic and its event type to the consumer groups that
 // read it. Each group gets the whole safety chain (see the package
 // documentation) and its own dedup.

@@ -112,8 +112,13 @@ type Report struct {
 }
 
 // lockKey identifies the maintenance advisory lock of one claim table: the
-// same for every instance, different for every table.
+// same for every instance, different for every table. The default table
+// keeps the constant of the releases before tables had names, so that old
+// and new instances of a rolling deploy still take turns.
 func lockKey(cfg Config) int64 {
+	if cfg.Schema == "public" && cfg.Table == "processed_event" {
+		return 0x6f6e63655f726574 // "once_ret"
+	}
 	h := fnv.New64a()
 	h.Write([]byte("once_retention:" + cfg.Schema + "." + cfg.Table))
 	return int64(h.Sum64() >> 1)

@@ -1,6 +1,7 @@
 // Package schema creates and upgrades the tables the once library needs in a
 // PostgreSQL database, and nothing else: the claim table (processed_event,
-// range-partitioned by event id, with its default partition). A team applies
+// range-partitioned by event id, with its default partition) and the
+// consumer outbox (once_outbox, package outbox). A team applies
 // it to each database a consumer group claims in, into a schema it names;
 // its own business tables stay in its own migrations.
 //

@@ -13,6 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
+
+	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/outbox"
 )
 
 // Config names where the library's tables live. The zero value is
@@ -24,6 +27,13 @@ type Config struct {
 	// partition is ClaimTable + "_default", and retention names its daily
 	// partitions ClaimTable + "_pYYYYMMDD". Default "processed_event".
 	ClaimTable string
+	// Outbox is the table of events that handlers publish in the claim's
+	// transaction (package outbox); its offsets table is Outbox + "_offsets".
+	// Default "once_outbox".
+	Outbox string
+	// DeadLetters parks dead letters until Kafka has them (package dlq).
+	// Default "once_dead_letter".
+	DeadLetters string
 }
 
 // DefaultSchema and DefaultClaimTable are the names [Config] uses when its
@@ -45,13 +55,20 @@ func (c *Config) setDefaults() {
 	if c.ClaimTable == "" {
 		c.ClaimTable = DefaultClaimTable
 	}
+	if c.Outbox == "" {
+		c.Outbox = outbox.DefaultTable
+	}
+	if c.DeadLetters == "" {
+		c.DeadLetters = dlq.DefaultTable
+	}
 }
 
 // Validate reports every name that is not a plain lower-case identifier of at
 // most 40 characters.
 func (c Config) Validate() error {
 	c.setDefaults()
-	return errors.Join(CheckIdentifier("schema: Schema", c.Schema), CheckIdentifier("schema: ClaimTable", c.ClaimTable))
+	return errors.Join(CheckIdentifier("schema: Schema", c.Schema), CheckIdentifier("schema: ClaimTable", c.ClaimTable),
+		CheckIdentifier("schema: Outbox", c.Outbox), CheckIdentifier("schema: DeadLetters", c.DeadLetters))
 }
 
 // CheckIdentifier reports whether name is usable as a schema or table name
@@ -76,7 +93,16 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if _, err := db.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize()); err != nil {
+	// IF NOT EXISTS is not safe against a concurrent creator: instances
+	// starting together take turns on a lock first.
+	lockID := int64(crc64.Checksum([]byte("once.schema."+cfg.Schema), crc64.MakeTable(crc64.ECMA)) >> 1)
+	if err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockID); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize())
+		return err
+	}); err != nil {
 		return nil, fmt.Errorf("schema: create schema %s: %w", cfg.Schema, err)
 	}
 	sqlDB := stdlib.OpenDBFromPool(db)
@@ -84,21 +110,28 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 
 	// A lock of its own, per schema: the reference service's migrations use
 	// goose's default lock, and two schemas may migrate at once.
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(int64(crc64.Checksum([]byte("once.schema."+cfg.Schema), crc64.MakeTable(crc64.ECMA)) >> 1)))
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
 	if err != nil {
 		return nil, fmt.Errorf("schema: session locker: %w", err)
+	}
+	ms, err := migrations(cfg)
+	if err != nil {
+		return nil, err
 	}
 	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, nil,
 		goose.WithSessionLocker(locker),
 		goose.WithTableName(cfg.Schema+".once_schema_version"),
 		goose.WithDisableGlobalRegistry(true),
-		goose.WithGoMigrations(migrations(cfg)...))
+		goose.WithGoMigrations(ms...))
 	if err != nil {
 		return nil, fmt.Errorf("schema: %w", err)
 	}
 	results, err := provider.Up(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("schema: migrate %s: %w", cfg.Schema, err)
+	}
+	if err := Check(ctx, db, cfg); err != nil {
+		return nil, err
 	}
 	applied := make([]int64, 0, len(results))
 	for _, r := range results {
@@ -109,30 +142,38 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 
 // migrations are Go migrations because their DDL carries the configured
 // names; every name has passed Validate and is quoted by pgx.Identifier.
-func migrations(cfg Config) []*goose.Migration {
-	claims := pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()
-	defaultPart := pgx.Identifier{cfg.Schema, cfg.ClaimTable + "_default"}.Sanitize()
-	processedAtIdx := pgx.Identifier{cfg.ClaimTable + "_processed_at_idx"}.Sanitize()
+func migrations(cfg Config) ([]*goose.Migration, error) {
+	box, err := outbox.New(outbox.Config{Schema: cfg.Schema, Table: cfg.Outbox})
+	if err != nil {
+		return nil, err
+	}
+	outboxDDL, err := box.InitQueries()
+	if err != nil {
+		return nil, err
+	}
+	letters, err := dlq.NewStore(dlq.StoreConfig{Schema: cfg.Schema, Table: cfg.DeadLetters})
+	if err != nil {
+		return nil, err
+	}
 	return []*goose.Migration{
 		// 1: the claim table (R-KFK-IDEM-2), range-partitioned by event_id.
 		// Partitioning by processed_at, as the style guide's DDL does, would
 		// force processed_at into the key, and two deliveries at two moments
 		// would both insert. A UUIDv7 starts with its millisecond timestamp,
 		// so a day is a range of ids, and the key stays (event_id,
-		// consumer_group). IF NOT EXISTS: databases of the reference service
-		// created the same table before the library had a schema of its own.
-		up(1,
-			`CREATE TABLE IF NOT EXISTS `+claims+` (
-    event_id       uuid        NOT NULL,
-    consumer_group text        NOT NULL,
-    payload_sha256 bytea       NOT NULL,
-    processed_at   timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (event_id, consumer_group)
-) PARTITION BY RANGE (event_id)`,
-			`CREATE TABLE IF NOT EXISTS `+defaultPart+` PARTITION OF `+claims+` DEFAULT`,
-			`CREATE INDEX IF NOT EXISTS `+processedAtIdx+` ON `+claims+` (processed_at)`,
-		),
-	}
+		// consumer_group). Databases of the reference service created the
+		// same table before the library had a schema of its own: it is
+		// adopted, and a plain one of the right shape becomes the default
+		// partition without a row copied.
+		goose.NewGoMigration(1, &goose.GoFunc{RunTx: func(ctx context.Context, tx *sql.Tx) error {
+			return createClaimTable(ctx, tx, cfg)
+		}}, nil),
+		// 2: the consumer outbox: events a handler publishes in the claim's
+		// transaction, moved to Kafka by outbox.Forwarder.
+		up(2, outboxDDL...),
+		// 3: dead letters, parked until Kafka has them (dlq.Store).
+		up(3, letters.TableDDL()),
+	}, nil
 }
 
 func up(version int64, statements ...string) *goose.Migration {
@@ -144,4 +185,117 @@ func up(version int64, statements ...string) *goose.Migration {
 		}
 		return nil
 	}}, nil)
+}
+
+// createClaimTable creates the claim table, or adopts the one that exists.
+func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
+	claims := pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()
+	defaultName := cfg.ClaimTable + "_default"
+	defaultPart := pgx.Identifier{cfg.Schema, defaultName}.Sanitize()
+	var exists, partitioned bool
+	if err := tx.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL,
+		EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1))`, claims).Scan(&exists, &partitioned); err != nil {
+		return err
+	}
+	var stmts []string
+	if exists && !partitioned {
+		// A plain claim table (the reference service's first migration):
+		// it becomes the default partition of a new partitioned table.
+		if err := checkColumns(ctx, tx, cfg.Schema, cfg.ClaimTable); err != nil {
+			return err
+		}
+		stmts = append(stmts,
+			`ALTER TABLE `+claims+` RENAME TO `+pgx.Identifier{defaultName}.Sanitize(),
+			`ALTER INDEX IF EXISTS `+pgx.Identifier{cfg.Schema, cfg.ClaimTable + "_pkey"}.Sanitize()+` RENAME TO `+pgx.Identifier{defaultName + "_pkey"}.Sanitize(),
+			`ALTER INDEX IF EXISTS `+pgx.Identifier{cfg.Schema, cfg.ClaimTable + "_processed_at_idx"}.Sanitize()+` RENAME TO `+pgx.Identifier{defaultName + "_processed_at_idx"}.Sanitize(),
+		)
+	}
+	stmts = append(stmts,
+		`CREATE TABLE IF NOT EXISTS `+claims+` (
+    event_id       uuid        NOT NULL,
+    consumer_group text        NOT NULL,
+    -- SHA-256 of the payload first claimed: the same id with other bytes is
+    -- a producer bug, not a duplicate.
+    payload_sha256 bytea       NOT NULL,
+    processed_at   timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (event_id, consumer_group)
+) PARTITION BY RANGE (event_id)`,
+		`CREATE INDEX IF NOT EXISTS `+pgx.Identifier{cfg.ClaimTable + "_processed_at_idx"}.Sanitize()+` ON `+claims+` (processed_at)`,
+	)
+	if exists && !partitioned {
+		stmts = append(stmts, `ALTER TABLE `+claims+` ATTACH PARTITION `+defaultPart+` DEFAULT`)
+	} else {
+		stmts = append(stmts, `CREATE TABLE IF NOT EXISTS `+defaultPart+` PARTITION OF `+claims+` DEFAULT`)
+	}
+	for _, st := range stmts {
+		if _, err := tx.ExecContext(ctx, st); err != nil {
+			return fmt.Errorf("%.80s...: %w", st, err)
+		}
+	}
+	return nil
+}
+
+// queryer is what the shape checks read through: a *sql.Tx in a migration,
+// a pool afterwards.
+type queryer interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+func checkColumns(ctx context.Context, q queryer, schema, table string) error {
+	var missing []string
+	for col, typ := range map[string]string{"event_id": "uuid", "consumer_group": "text", "payload_sha256": "bytea", "processed_at": "timestamp with time zone"} {
+		var got string
+		err := q.QueryRowContext(ctx, `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+			WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped`, pgx.Identifier{schema, table}.Sanitize(), col).Scan(&got)
+		if err != nil || got != typ {
+			missing = append(missing, col+" "+typ)
+		}
+	}
+	var key string
+	err := q.QueryRowContext(ctx, `SELECT string_agg(a.attname, ',' ORDER BY k.n) FROM pg_index i
+		CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
+		JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+		WHERE i.indrelid = to_regclass($1) AND i.indisprimary`, pgx.Identifier{schema, table}.Sanitize()).Scan(&key)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return err
+	}
+	var problems []string
+	if len(missing) > 0 {
+		problems = append(problems, fmt.Sprintf("columns missing or of another type: %v", missing))
+	}
+	if key != "event_id,consumer_group" {
+		problems = append(problems, fmt.Sprintf("primary key (%s), want exactly (event_id, consumer_group): "+
+			"a key with processed_at in it, as the style guide's partitioned DDL has, lets two deliveries of one event both claim it", key))
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("schema: %s.%s exists with another shape: %v", schema, table, problems)
+	}
+	return nil
+}
+
+// Check verifies that the claim table has the shape dedup depends on:
+// the library's columns, the primary key (event_id, consumer_group), and
+// range partitioning by event_id with a default partition.
+func Check(ctx context.Context, db *pgxpool.Pool, cfg Config) error {
+	cfg.setDefaults()
+	sqlDB := stdlib.OpenDBFromPool(db)
+	defer sqlDB.Close()
+	if err := checkColumns(ctx, sqlDB, cfg.Schema, cfg.ClaimTable); err != nil {
+		return err
+	}
+	var strategy, column string
+	var hasDefault bool
+	err := sqlDB.QueryRowContext(ctx, `SELECT p.partstrat::text, a.attname, p.partdefid <> 0
+		FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
+		WHERE p.partrelid = to_regclass($1) AND p.partnatts = 1`, pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()).Scan(&strategy, &column, &hasDefault)
+	if errors.Is(err, sql.ErrNoRows) || (err == nil && (strategy != "r" || column != "event_id")) {
+		return fmt.Errorf("schema: %s.%s is not range-partitioned by event_id alone (got %q on %q): retention depends on it", cfg.Schema, cfg.ClaimTable, strategy, column)
+	}
+	if err != nil {
+		return fmt.Errorf("schema: check %s.%s: %w", cfg.Schema, cfg.ClaimTable, err)
+	}
+	if !hasDefault {
+		return fmt.Errorf("schema: %s.%s has no default partition: claims outside its daily partitions would fail", cfg.Schema, cfg.ClaimTable)
+	}
+	return nil
 }

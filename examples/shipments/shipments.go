@@ -19,8 +19,8 @@ func (d Dispatched) EventID() uuid.UUID { return d.ID }
 
 // Decode refuses what can never be handled: it is dead-lettered with the reason.
 func Decode(b []byte) (d Dispatched, err error) {
-	if err = json.Unmarshal(b, &d); err == nil && d.Parcels < 1 {
-		err = fmt.Errorf("field parcels: want at least 1, got %d", d.Parcels)
+	if err = json.Unmarshal(b, &d); err == nil && (d.Shipment < 1 || d.Parcels < 1) {
+		err = fmt.Errorf("want shipment_id and parcels of at least 1, got %d and %d", d.Shipment, d.Parcels)
 	}
 	return d, err
 }

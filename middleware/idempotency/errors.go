@@ -51,8 +51,13 @@ func Permanent(err error) error {
 
 // RejectedError is what the middleware returns after a handler's
 // [RejectAfterCommit]: the handler's record of the failure and the claim were
-// committed, and the message must be dead-lettered with Err as the reason.
-type RejectedError struct{ Err error }
+// committed, and the message must be dead-lettered with Err as the reason,
+// unless DeadLettered says Config.RecordRejection already wrote the dead
+// letter in that transaction.
+type RejectedError struct {
+	Err          error
+	DeadLettered bool
+}
 
 func (e *RejectedError) Error() string { return e.Err.Error() }
 func (e *RejectedError) Unwrap() error { return e.Err }

@@ -92,6 +92,15 @@ type Config struct {
 	// was made (its processed_at), the same clock retention uses.
 	Now func() time.Time
 
+	// RecordRejection, if set, runs in the claim's transaction when the
+	// handler returned [RejectAfterCommit], before the commit: write the
+	// dead letter there, and it commits with the rejection, so that no crash
+	// or failed publish after the commit can lose it (a redelivery is a
+	// duplicate). An error rolls the attempt back. Default: none; the
+	// returned [*RejectedError] then has DeadLettered false, and the router
+	// must dead-letter it.
+	RecordRejection func(ctx context.Context, tx pgx.Tx, msg *message.Message, reason error) error
+
 	// OnResult, if set, is called once per message with what happened to it.
 	OnResult func(Result)
 
@@ -368,6 +377,11 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		return Failed, nil, err
 	}
 
+	if isRejection && m.cfg.RecordRejection != nil {
+		if err := m.cfg.RecordRejection(msgCtx, tx, msg, rejected.err); err != nil {
+			return Failed, nil, fmt.Errorf("idempotency: record the rejection of %s for %s: %w", key, m.cfg.ConsumerGroup, err)
+		}
+	}
 	ctx, cancel := m.finishContext(msgCtx)
 	defer cancel()
 	done = true
@@ -378,7 +392,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		return Failed, nil, fmt.Errorf("idempotency: commit %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 	}
 	if isRejection {
-		return Rejected, nil, &RejectedError{Err: rejected.err}
+		return Rejected, nil, &RejectedError{Err: rejected.err, DeadLettered: m.cfg.RecordRejection != nil}
 	}
 	return Processed, produced, nil
 }

@@ -1,0 +1,260 @@
+package dlq
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DefaultTable holds dead letters until Kafka has them (package schema
+// creates it beside the claim table).
+const DefaultTable = "once_dead_letter"
+
+// Letter is a dead letter: the message as it arrived, and headers that say
+// why and where it failed.
+type Letter struct {
+	// Topic is the dead-letter topic it goes to.
+	Topic   string
+	Key     []byte
+	Payload []byte
+	Headers map[string]string
+}
+
+// Execer runs a statement: a pgx.Tx (to park a letter in the transaction of
+// the verdict it reports) or a pool.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// DB is what draining needs. *pgxpool.Pool implements it.
+type DB interface {
+	Execer
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// StoreConfig names the table of parked dead letters. The zero value is
+// public.once_dead_letter.
+type StoreConfig struct {
+	Schema, Table string
+}
+
+// Store parks dead letters in a database table and drains them to Kafka. A
+// dead letter is written to the table first (in the very transaction that
+// rejected the message, where there is one), so it survives a crash, a
+// broker outage, a missing dead-letter topic or a refused publish; each row
+// is published on its own and deleted only after Kafka acknowledged it, so
+// one letter that cannot be published holds up no other, and none is lost.
+type Store struct {
+	table string
+	nudge chan struct{}
+}
+
+var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+
+// NewStore validates cfg.
+func NewStore(cfg StoreConfig) (*Store, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = "public"
+	}
+	if cfg.Table == "" {
+		cfg.Table = DefaultTable
+	}
+	var errs []error
+	for setting, name := range map[string]string{"Schema": cfg.Schema, "Table": cfg.Table} {
+		if !identifier.MatchString(name) {
+			errs = append(errs, fmt.Errorf("dlq: StoreConfig.%s %q: want a lower-case SQL identifier", setting, name))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return &Store{table: pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(), nudge: make(chan struct{}, 1)}, nil
+}
+
+// TableDDL is the statement that creates the table.
+func (s *Store) TableDDL() string {
+	return `CREATE TABLE IF NOT EXISTS ` + s.table + ` (
+    id              bigserial   PRIMARY KEY,
+    topic           text        NOT NULL,
+    key             bytea,
+    payload         bytea       NOT NULL,
+    -- JSON as bytes: a header may hold a NUL, which jsonb refuses.
+    headers         bytea       NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    attempts        int         NOT NULL DEFAULT 0,
+    last_error      text,
+    next_attempt_at timestamptz NOT NULL DEFAULT now()
+)`
+}
+
+// Park writes letters through db, a transaction or a pool.
+func (s *Store) Park(ctx context.Context, db Execer, letters ...Letter) error {
+	for _, l := range letters {
+		headers, err := json.Marshal(l.Headers)
+		if err != nil {
+			return fmt.Errorf("dlq: encode headers: %w", err)
+		}
+		if _, err := db.Exec(ctx, `INSERT INTO `+s.table+` (topic, key, payload, headers) VALUES ($1, $2, $3, $4)`,
+			l.Topic, l.Key, l.Payload, headers); err != nil {
+			return fmt.Errorf("dlq: park a dead letter for %s: %w", l.Topic, err)
+		}
+	}
+	return nil
+}
+
+// Nudge tells a running [Store.Drain] loop that letters are waiting, so it
+// does not wait for its next poll.
+func (s *Store) Nudge() {
+	select {
+	case s.nudge <- struct{}{}:
+	default:
+	}
+}
+
+// DrainConfig configures [Store.Drain].
+type DrainConfig struct {
+	DB       DB
+	Producer sarama.SyncProducer
+	// PollInterval between passes when nothing is nudged. Default 500ms.
+	PollInterval time.Duration
+	// Lease: a letter taken by a drainer that died is taken again after it.
+	// Default 30s.
+	Lease time.Duration
+	// MaxBackoff between two attempts of one letter. Default 30s.
+	MaxBackoff time.Duration
+	// OnPublished is called after a letter reached Kafka. Default: none.
+	OnPublished func(Letter)
+	Logger      *slog.Logger
+}
+
+// Drain publishes parked letters until ctx ends: one pass per poll or nudge.
+func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
+	if cfg.PollInterval == 0 {
+		cfg.PollInterval = 500 * time.Millisecond
+	}
+	if cfg.Lease == 0 {
+		cfg.Lease = 30 * time.Second
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = 30 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	t := time.NewTicker(cfg.PollInterval)
+	defer t.Stop()
+	for {
+		for {
+			n, err := s.DrainOnce(ctx, cfg)
+			if err != nil && ctx.Err() == nil {
+				cfg.Logger.Warn("dead letters: cannot read the parked ones; trying again", "err", err)
+			}
+			if n == 0 || err != nil || ctx.Err() != nil {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-s.nudge:
+		}
+	}
+}
+
+const batch = 100
+
+// DrainOnce takes up to a batch of letters that are due, publishes each, and
+// returns how many it took.
+func (s *Store) DrainOnce(ctx context.Context, cfg DrainConfig) (int, error) {
+	rows, err := cfg.DB.Query(ctx, `UPDATE `+s.table+` SET next_attempt_at = now() + make_interval(secs => $1), attempts = attempts + 1
+WHERE id IN (SELECT id FROM `+s.table+` WHERE next_attempt_at <= now() ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)
+RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batch)
+	if err != nil {
+		return 0, fmt.Errorf("dlq: take parked letters: %w", err)
+	}
+	type taken struct {
+		id       int64
+		letter   Letter
+		attempts int
+	}
+	var due []taken
+	for rows.Next() {
+		var t taken
+		var headers []byte
+		if err := rows.Scan(&t.id, &t.letter.Topic, &t.letter.Key, &t.letter.Payload, &headers, &t.attempts); err != nil {
+			rows.Close()
+			return 0, err
+		}
+		if err := json.Unmarshal(headers, &t.letter.Headers); err != nil {
+			rows.Close()
+			return 0, fmt.Errorf("dlq: headers of parked letter %d: %w", t.id, err)
+		}
+		due = append(due, t)
+	}
+	if err := rows.Err(); err != nil {
+		return 0, err
+	}
+	for _, t := range due {
+		pm := &sarama.ProducerMessage{Topic: t.letter.Topic, Value: sarama.ByteEncoder(t.letter.Payload)}
+		if len(t.letter.Key) > 0 {
+			pm.Key = sarama.ByteEncoder(t.letter.Key)
+		}
+		for k, v := range t.letter.Headers {
+			pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+		}
+		if _, _, perr := cfg.Producer.SendMessage(pm); perr != nil {
+			wait := min(time.Duration(1<<min(t.attempts, 20))*100*time.Millisecond, cfg.MaxBackoff)
+			cfg.Logger.Warn("dead letters: publish failed; the letter stays parked and is tried again",
+				"dlq", t.letter.Topic, "letter", t.id, "attempts", t.attempts, "retry_in", wait, "cause", perr)
+			if _, err := cfg.DB.Exec(ctx, `UPDATE `+s.table+` SET last_error = $2, next_attempt_at = now() + make_interval(secs => $3) WHERE id = $1`,
+				t.id, perr.Error(), wait.Seconds()); err != nil {
+				return len(due), fmt.Errorf("dlq: note failed attempt of letter %d: %w", t.id, err)
+			}
+			continue
+		}
+		if _, err := cfg.DB.Exec(ctx, `DELETE FROM `+s.table+` WHERE id = $1`, t.id); err != nil {
+			// Published, and still parked: after the lease it is published
+			// again, a duplicate dead letter rather than a lost one.
+			return len(due), fmt.Errorf("dlq: delete published letter %d: %w", t.id, err)
+		}
+		if cfg.OnPublished != nil {
+			cfg.OnPublished(t.letter)
+		}
+	}
+	return len(due), nil
+}
+
+// Parked is a letter waiting in the table.
+type Parked struct {
+	ID        int64
+	Topic     string
+	Headers   map[string]string
+	CreatedAt time.Time
+	Attempts  int
+	LastError string
+}
+
+// List returns the parked letters, oldest first.
+func (s *Store) List(ctx context.Context, db DB, limit int) ([]Parked, error) {
+	rows, err := db.Query(ctx, `SELECT id, topic, headers, created_at, attempts, coalesce(last_error, '') FROM `+s.table+` ORDER BY id LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: list parked letters: %w", err)
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Parked, error) {
+		var p Parked
+		var headers []byte
+		if err := row.Scan(&p.ID, &p.Topic, &headers, &p.CreatedAt, &p.Attempts, &p.LastError); err != nil {
+			return p, err
+		}
+		return p, json.Unmarshal(headers, &p.Headers)
+	})
+}

@@ -1,0 +1,306 @@
+package outbox
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// DB is a database with an outbox: *pgxpool.Pool implements it.
+type DB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// DefaultTable is the outbox package schema creates beside the claim table.
+const DefaultTable = "once_outbox"
+
+// MetaKey carries a message's Kafka key from the outbox to Kafka. Every
+// event of one aggregate (an order) should share its key, so that they stay
+// in one partition and in order.
+const MetaKey = "partition_key"
+
+// Config names an outbox table. The zero value is public.once_outbox.
+type Config struct {
+	// Schema and Table of the outbox, and the table of its forwarder's
+	// progress. Defaults: "public", [DefaultTable] and Table + "_offsets".
+	Schema       string
+	Table        string
+	OffsetsTable string
+	// Logger. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+
+func (c *Config) setDefaults() {
+	if c.Schema == "" {
+		c.Schema = "public"
+	}
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.OffsetsTable == "" {
+		c.OffsetsTable = c.Table + "_offsets"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Validate reports every bad name at once.
+func (c Config) Validate() error {
+	var errs []error
+	for setting, name := range map[string]string{"Schema": c.Schema, "Table": c.Table, "OffsetsTable": c.OffsetsTable} {
+		if name != "" && !identifier.MatchString(name) {
+			errs = append(errs, fmt.Errorf("outbox: Config.%s %q: want a lower-case SQL identifier", setting, name))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Outbox is one outbox table.
+type Outbox struct {
+	cfg     Config
+	schema  watermillsql.DefaultPostgreSQLSchema
+	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
+	wlog    watermill.LoggerAdapter
+}
+
+// New validates cfg and returns the outbox. It touches no database.
+func New(cfg Config) (*Outbox, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	messages := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
+	offsets := pgx.Identifier{cfg.Schema, cfg.OffsetsTable}.Sanitize()
+	return &Outbox{
+		cfg: cfg,
+		schema: watermillsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(string) string { return messages },
+			// One forwarder per table, with one lock of its own for creating it.
+			InitializeSchemaLock: int(watermillsql.DefaultSchemaInitializationLock(cfg.Schema + "." + cfg.Table)),
+		},
+		offsets: watermillsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(string) string { return offsets }},
+		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
+			slog.LevelInfo: slog.LevelDebug, // per-message details
+		}),
+	}, nil
+}
+
+// topic is the watermill-sql topic of every outbox: the table names are fixed
+// by Config, and the forwarder's envelope carries each message's real topic.
+const topic = "outbox"
+
+// forwarderGroup keeps the forwarder's progress in the offsets table.
+const forwarderGroup = "kafka_forwarder"
+
+// Message is an event to publish.
+type Message struct {
+	// Topic is the Kafka topic. Required.
+	Topic string
+	// Key is the Kafka message key. Required: see [MetaKey].
+	Key string
+	// ID names the message in logs and Watermill; use the event id.
+	ID string
+	// Payload is the message value, byte for byte.
+	Payload []byte
+	// Headers become Kafka headers.
+	Headers map[string]string
+}
+
+// Publish writes msgs into tx. They reach Kafka only if tx commits, through a
+// [Forwarder] on the same table.
+func (o *Outbox) Publish(ctx context.Context, tx pgx.Tx, msgs ...Message) error {
+	pub, err := watermillsql.NewPublisher(watermillsql.TxFromPgx(tx), watermillsql.PublisherConfig{SchemaAdapter: o.schema}, o.wlog)
+	if err != nil {
+		return fmt.Errorf("outbox: publisher: %w", err)
+	}
+	fw := forwarder.NewPublisher(pub, forwarder.PublisherConfig{ForwarderTopic: topic})
+	for _, m := range msgs {
+		if m.Topic == "" || m.Key == "" {
+			return fmt.Errorf("outbox: message %s needs a Topic and a Key", m.ID)
+		}
+		id := m.ID
+		if id == "" {
+			id = watermill.NewUUID()
+		}
+		wm := message.NewMessage(id, m.Payload)
+		wm.SetContext(ctx)
+		for k, v := range m.Headers {
+			wm.Metadata.Set(k, v)
+		}
+		wm.Metadata.Set(MetaKey, m.Key)
+		if err := fw.Publish(m.Topic, wm); err != nil {
+			return fmt.Errorf("outbox: write %s for %s: %w", id, m.Topic, err)
+		}
+	}
+	return nil
+}
+
+// Init creates the outbox's tables if they are missing, for databases that
+// do not run package schema (which creates the default outbox).
+func (o *Outbox) Init(ctx context.Context, db DB) error {
+	sub, err := o.subscriber(db, true)
+	if err != nil {
+		return err
+	}
+	defer sub.Close()
+	if err := sub.SubscribeInitialize(topic); err != nil {
+		return fmt.Errorf("outbox: create %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+	}
+	return nil
+}
+
+// InitQueries are the statements that create the outbox's tables.
+func (o *Outbox) InitQueries() ([]string, error) {
+	var out []string
+	q, err := o.schema.SchemaInitializingQueries(watermillsql.SchemaInitializingQueriesParams{Topic: topic})
+	if err != nil {
+		return nil, err
+	}
+	oq, err := o.offsets.SchemaInitializingQueries(watermillsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
+	if err != nil {
+		return nil, err
+	}
+	for _, q := range append(q, oq...) {
+		out = append(out, q.Query)
+	}
+	return out, nil
+}
+
+func (o *Outbox) subscriber(db DB, initialize bool) (*watermillsql.Subscriber, error) {
+	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
+		ConsumerGroup:    forwarderGroup,
+		PollInterval:     50 * time.Millisecond,
+		SchemaAdapter:    o.schema,
+		OffsetsAdapter:   o.offsets,
+		InitializeSchema: initialize,
+	}, o.wlog)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: subscriber on %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+	}
+	return sub, nil
+}
+
+// Forwarder moves the outbox's committed messages to Kafka through
+// kafkaPublisher (see [NewKafkaPublisher]). A row is acknowledged only after
+// the publish returned, so a crash in between publishes it again. Several
+// forwarders on one table take turns; each message goes out in table order.
+func (o *Outbox) Forwarder(db DB, kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
+	sub, err := o.subscriber(db, false)
+	if err != nil {
+		return nil, err
+	}
+	f, err := forwarder.NewForwarder(sub, kafkaPublisher, o.wlog, forwarder.Config{ForwarderTopic: topic})
+	if err != nil {
+		return nil, fmt.Errorf("outbox: forwarder: %w", err)
+	}
+	return f, nil
+}
+
+// pruneSQL deletes, in one bounded batch, rows the forwarder has
+// acknowledged (watermill-sql orders rows by transaction id, then offset)
+// and that are older than the given age. Unforwarded rows are never touched.
+// created_at is a timestamp without time zone written by CURRENT_TIMESTAMP,
+// hence LOCALTIMESTAMP.
+const pruneSQL = `DELETE FROM %[1]s WHERE ctid IN (
+  SELECT m.ctid FROM %[1]s m JOIN %[2]s o ON o.consumer_group = $1
+  WHERE (m.transaction_id < o.last_processed_transaction_id
+     OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
+    AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+  LIMIT $3)`
+
+// Prune deletes forwarded rows older than olderThan, batch rows per
+// statement, and returns how many it deleted. watermill-sql keeps every row
+// forever; without this the outbox grows with every event.
+func (o *Outbox) Prune(ctx context.Context, db DB, olderThan time.Duration, batch int) (int64, error) {
+	q := fmt.Sprintf(pruneSQL, o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic))
+	var total int64
+	for {
+		tag, err := db.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
+		if err != nil {
+			return total, fmt.Errorf("outbox: prune %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(batch) {
+			return total, nil
+		}
+	}
+}
+
+// Marshal turns a message into a Kafka record: keyed by its [MetaKey] (no
+// key without one), its payload as stored, its other metadata as headers.
+func Marshal(topic string, msg *message.Message) *sarama.ProducerMessage {
+	pm := &sarama.ProducerMessage{Topic: topic, Value: sarama.ByteEncoder(msg.Payload)}
+	if key := msg.Metadata.Get(MetaKey); key != "" {
+		pm.Key = sarama.StringEncoder(key)
+	}
+	for k, v := range msg.Metadata {
+		if k != MetaKey {
+			pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+		}
+	}
+	return pm
+}
+
+// KafkaPublisher is a Watermill publisher on a sarama producer the caller
+// owns, writing records as [Marshal] does: the forwarder's output. The
+// producer should be idempotent (acks from all in-sync replicas, one request
+// in flight), so a retried send neither duplicates nor reorders.
+type KafkaPublisher struct {
+	Producer sarama.SyncProducer
+	// AfterPublish, if set, is called after Kafka acknowledged a message.
+	AfterPublish func(topic string, msg *message.Message)
+}
+
+// Publish sends msgs in order, each acknowledged before the next.
+func (k KafkaPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if _, _, err := k.Producer.SendMessage(Marshal(topic, m)); err != nil {
+			return fmt.Errorf("outbox: publish %s to %s: %w", m.UUID, topic, err)
+		}
+		if k.AfterPublish != nil {
+			k.AfterPublish(topic, m)
+		}
+	}
+	return nil
+}
+
+// Close does nothing: the producer is the caller's to close.
+func (k KafkaPublisher) Close() error { return nil }
+
+// EventID derives the id of an event published because of another one: a
+// UUIDv7 with the cause's 48-bit millisecond timestamp, and the rest of its
+// bits from SHA-256 of the cause's id and the derived event's type. The same
+// cause and type always give the same id, so a handler that publishes in an
+// attempt that rolled back and then again in the one that committed, or on a
+// replay of its input, publishes one id that downstream consumers dedup; and
+// the id sorts by the time of its cause, within the dedup horizon of it.
+func EventID(cause uuid.UUID, eventType string) uuid.UUID {
+	h := sha256.New()
+	h.Write(cause[:])
+	h.Write([]byte(eventType))
+	sum := h.Sum(nil)
+	var id uuid.UUID
+	copy(id[:6], cause[:6])
+	copy(id[6:], sum[:10])
+	id[6] = 0x70 | id[6]&0x0f // version 7
+	id[8] = 0x80 | id[8]&0x3f // RFC 4122 variant
+	return id
+}

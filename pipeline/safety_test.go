@@ -1,0 +1,266 @@
+package pipeline_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
+)
+
+// startRouter runs a team's own router, with the pipeline's handlers, until
+// the test ends or stop is called.
+func startPipeline(t *testing.T, p *pipeline.Pipeline) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	select {
+	case <-p.Running():
+	case err := <-done:
+		t.Fatalf("pipeline stopped at start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("pipeline did not start in 30s")
+	}
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+// Router-level middleware a team adds after New still runs outside the
+// safety chain: never inside the claim's transaction, where a poison queue
+// or a retry of its own would commit a claim without its effect.
+func TestRouterMiddlewareAddedAfterNewStaysOutsideTheClaim(t *testing.T) {
+	e := newEnv(t, 1)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fails atomic.Int64
+	r := &recorder{group: uniqueGroup("late-mw"), fail: func(order.Confirmed) error {
+		if fails.Add(1) == 1 {
+			return errors.New("a temporary failure")
+		}
+		return nil
+	}}
+	cfg := e.config(group(r))
+	cfg.Router = router
+	cfg.HoldBackoff = 10 * time.Millisecond
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sawTx, calls atomic.Int64
+	poison, err := middleware.PoisonQueue(nopPublisher{}, "team-poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			calls.Add(1)
+			if _, err := idempotency.TxFromContext(msg.Context()); err == nil {
+				sawTx.Add(1)
+			}
+			return h(msg)
+		}
+	}, poison)
+	startPipeline(t, p)
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the event processed", func() bool { return effects(t, e.pool, r.group) == 1 })
+	if sawTx.Load() != 0 || calls.Load() != 1 {
+		t.Fatalf("the team's router middleware ran %d times, %d of them inside the claim's transaction; want once, outside", calls.Load(), sawTx.Load())
+	}
+}
+
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
+func (nopPublisher) Close() error                              { return nil }
+
+// A handler's rejection is committed with its dead letter: a dead-letter
+// topic that does not exist yet loses nothing. The message is acknowledged,
+// the letter waits in the database, and reaches the topic once it exists,
+// exactly once.
+func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
+	e := newEnv(t, 1)
+	e.dlq = e.topic + ".later-dlq" // not created yet, and the broker creates nothing by itself
+	declined := errors.New("card declined")
+	var rejectedID uuid.UUID
+	r := &recorder{group: uniqueGroup("rejects"), fail: func(ev order.Confirmed) error {
+		if ev.EventID() == rejectedID {
+			return idempotency.RejectAfterCommit(declined)
+		}
+		return nil
+	}}
+	// The handler writes its effect only when it does not fail; a rejection
+	// needs a committed record, so record through a wrapper.
+	g := pipeline.Group[order.Confirmed]{Name: r.group, Handle: func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+		if ev.EventID() == rejectedID {
+			if _, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group); err != nil {
+				return err
+			}
+		}
+		return r.Handle(ctx, tx, ev)
+	}}
+	cfg := e.config(g)
+	var deadLettered atomic.Int64
+	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLettered.Add(1) }
+	run(t, cfg)
+	ev := validEvent(t, "9.00")
+	rejectedID = ev.EventID()
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+	after := validEvent(t, "1.00")
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	testenv.Eventually(t, 30*time.Second, "the rejection committed and the partition moving on", func() bool {
+		return effects(t, e.pool, r.group) == 2 && deadLettered.Load() == 1
+	})
+	var parked int
+	testenv.Eventually(t, 10*time.Second, "the letter parked, waiting for its topic", func() bool {
+		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1 AND attempts > 0`, e.dlq).Scan(&parked)
+		return parked == 1
+	})
+	if err := testenv.Admin(t, e.brokers).CreateTopic(e.dlq, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+		t.Fatal(err)
+	}
+	reasons := readDLQ(t, e.brokers, e.dlq, 1)
+	if got := reasons[string(payload(t, ev))]; !contains(got, "card declined") {
+		t.Fatalf("dead letter reason %q, want the rejection", got)
+	}
+	testenv.Eventually(t, 30*time.Second, "the letter gone from the table", func() bool {
+		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1`, e.dlq).Scan(&parked)
+		return parked == 0
+	})
+	time.Sleep(time.Second)
+	if n := countMessages(t, e.brokers, e.dlq); n != 1 {
+		t.Fatalf("%d dead letters in the topic, want exactly 1", n)
+	}
+}
+
+func countMessages(t *testing.T, brokers []string, topic string) int64 {
+	t.Helper()
+	client, err := sarama.NewClient(brokers, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	partitions, err := client.Partitions(topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, p := range partitions {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n += end
+	}
+	return n
+}
+
+// A team that runs its own router and stops it: the message in flight fails
+// with the cancelled context, and that is the shutdown's error, not the
+// message's: it is neither dead-lettered nor acknowledged.
+func TestShutdownOfATeamsRouterDeadLettersNothing(t *testing.T) {
+	e := newEnv(t, 1)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{}, 1)
+	g := pipeline.Group[order.Confirmed]{Name: uniqueGroup("team-router"), Handle: func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	}}
+	cfg := e.config(g)
+	cfg.Router = router
+	var deadLetters atomic.Int64
+	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := startPipeline(t, p)
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler never started")
+	}
+	stop()
+	if deadLetters.Load() != 0 {
+		t.Fatalf("%d valid events dead-lettered at shutdown", deadLetters.Load())
+	}
+	if off := testenv.CommittedOffsets(t, testenv.Admin(t, e.brokers), g.Name, e.topic)[0]; off > 0 {
+		t.Fatalf("offset %d committed for a message that was never processed", off)
+	}
+}
+
+// Messages returned by an Observe or BeforeClaim middleware after the claim
+// committed are dropped (and logged); the partition moves on instead of
+// redelivering a duplicate that returns them again, forever.
+func TestMessagesReturnedOutsideTheClaimDoNotStickThePartition(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("returns-outside")}
+	g := group(r)
+	g.Extra.BeforeClaim = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			if _, err := h(msg); err != nil {
+				return nil, err
+			}
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("{}"))}, nil
+		}
+	}}
+	var seen outcomes
+	cfg := e.config(g)
+	cfg.OnResult = seen.record
+	run(t, cfg)
+	for range 2 {
+		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	}
+	testenv.Eventually(t, 30*time.Second, "both events processed", func() bool { return effects(t, e.pool, r.group) == 2 })
+	time.Sleep(time.Second)
+	if d := seen.get(r.group, idempotency.Duplicate); d != 0 {
+		t.Fatalf("%d duplicates: the first message was redelivered", d)
+	}
+}
+
+// A bad setting of a group is reported by New at once, and a team's router
+// is never closed by the pipeline.
+func TestLateConfigErrorsAreCaughtUpFrontAndTheTeamsRouterStaysOpen(t *testing.T) {
+	e := newEnv(t, 1)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &recorder{group: uniqueGroup("bad")}
+	g := group(r)
+	g.TooOld = "bogus"
+	cfg := e.config(g)
+	cfg.Router = router
+	start := time.Now()
+	if _, err := pipeline.New(cfg); err == nil || !contains(err.Error(), `TooOld "bogus"`) {
+		t.Fatalf("got %v; want TooOld named", err)
+	}
+	if time.Since(start) > time.Second || router.IsClosed() {
+		t.Fatalf("New took %s and closed the team's router: %v", time.Since(start), router.IsClosed())
+	}
+}

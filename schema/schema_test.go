@@ -1,0 +1,99 @@
+package schema_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/schema"
+)
+
+func freshSchema(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	name := "schema_test_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+name+" CASCADE") })
+	return name
+}
+
+func TestMigrateIntoANamedSchemaTwice(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool), ClaimTable: "claims", Outbox: "box", DeadLetters: "letters"}
+	applied, err := schema.Migrate(ctx, pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(applied) != 3 {
+		t.Fatalf("applied %v, want 3 versions", applied)
+	}
+	if again, err := schema.Migrate(ctx, pool, cfg); err != nil || len(again) != 0 {
+		t.Fatalf("second run applied %v (%v), want nothing", again, err)
+	}
+	for _, table := range []string{"claims", "claims_default", "box", "box_offsets", "letters", "once_schema_version"} {
+		var ok bool
+		if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, cfg.Schema+"."+table).Scan(&ok); err != nil || !ok {
+			t.Errorf("table %s.%s missing", cfg.Schema, table)
+		}
+	}
+}
+
+// The style guide's partitioned DDL keys the claim by processed_at too, which
+// silently breaks dedup: Migrate refuses to adopt it, and says why.
+func TestTheGuidesDDLIsRefused(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+cfg.Schema+`;
+		CREATE TABLE `+cfg.Schema+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL,
+		processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group, processed_at)) PARTITION BY RANGE (processed_at)`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := schema.Migrate(ctx, pool, cfg)
+	if err == nil || !strings.Contains(err.Error(), "primary key (event_id,consumer_group,processed_at)") || !strings.Contains(err.Error(), "payload_sha256") {
+		t.Fatalf("got %v; want a refusal naming the key and the missing column", err)
+	}
+}
+
+// A plain claim table of the right shape (what the reference service's first
+// migration made) becomes the default partition, its rows kept.
+func TestAPlainClaimTableIsAdopted(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+cfg.Schema+`;
+		CREATE TABLE `+cfg.Schema+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL,
+		payload_sha256 bytea NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group));
+		CREATE INDEX processed_event_processed_at_idx ON `+cfg.Schema+`.processed_event (processed_at)`); err != nil {
+		t.Fatal(err)
+	}
+	id := uuid.Must(uuid.NewV7())
+	if _, err := pool.Exec(ctx, `INSERT INTO `+cfg.Schema+`.processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, 'g', '\x01')`, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	var part string
+	if err := pool.QueryRow(ctx, `SELECT tableoid::regclass::text FROM `+cfg.Schema+`.processed_event WHERE event_id = $1`, id).Scan(&part); err != nil {
+		t.Fatal(err)
+	}
+	if part != cfg.Schema+".processed_event_default" {
+		t.Fatalf("the old claim is in %s, want the default partition", part)
+	}
+	// And it still dedups.
+	tag, err := pool.Exec(ctx, `INSERT INTO `+cfg.Schema+`.processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, 'g', '\x01') ON CONFLICT DO NOTHING`, id)
+	if err != nil || tag.RowsAffected() != 0 {
+		t.Fatalf("a second claim of the adopted row inserted %d (%v), want 0", tag.RowsAffected(), err)
+	}
+}
+
+func TestNamesAreValidated(t *testing.T) {
+	err := schema.Config{Schema: "Bad Schema", ClaimTable: "x;drop", Outbox: "ok"}.Validate()
+	if err == nil || !strings.Contains(err.Error(), "Schema") || !strings.Contains(err.Error(), "ClaimTable") {
+		t.Fatalf("got %v; want both bad names reported", err)
+	}
+}
