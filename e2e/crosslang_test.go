@@ -105,11 +105,13 @@ func TestGuidesPythonProducer(t *testing.T) {
 
 	o := s.readOutcomes()
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
-		if n := o.count[g]["processed"]; n != len(s.events) {
-			t.Errorf("%s processed %d events, want %d", g, n, len(s.events))
+		if n := o.byTopic[g+"|"+s.topic+"|processed"]; n != len(s.events) {
+			t.Errorf("%s processed %d of the guide's events, want %d", g, n, len(s.events))
 		}
-		if d := o.count[g]["duplicate"]; d != all-len(s.events) {
-			t.Errorf("%s skipped %d duplicates, want %d (produce.py re-published that many)", g, d, all-len(s.events))
+		// At least what produce.py re-published; a rebalance while the
+		// consumers joined may redeliver more.
+		if d := o.byTopic[g+"|"+s.topic+"|duplicate"]; d < all-len(s.events) {
+			t.Errorf("%s skipped %d duplicates, want at least %d (produce.py re-published that many)", g, d, all-len(s.events))
 		}
 	}
 	if n := o.lines["dead-lettered"]; n != 0 {

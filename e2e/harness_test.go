@@ -21,10 +21,12 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
@@ -42,9 +44,12 @@ type scenario struct {
 	name     string
 	pool     *pgxpool.Pool
 	brokers  []string
-	topic    string
+	topic    string // order.confirmed.v1 of the scenario; dlq is its dead-letter topic
 	dlq      string
-	suffix   string
+	cancels  string // order.cancelled.v1 of the scenario
+	payments string // payment.events.v1 of the scenario
+	suffix   string // of every topic and consumer group
+	parts    int32
 	account  string
 	producer sarama.SyncProducer
 	dir      string
@@ -55,30 +60,34 @@ type scenario struct {
 	mu        sync.Mutex
 	events    []order.Confirmed
 	declined  []order.Confirmed // priced above the provider's decline limit
+	cancelled []order.Cancelled
 	poison    [][]byte
 	customers []int64
 	// analytics' totals of the customers before the scenario: customers of
 	// another producer (the Python one) are not the scenario's alone.
-	baseRevenue decimal.Decimal
-	baseOrders  int
-	procs       []*proc
-	kills       int
-	restarts    int
-	rebal       int
+	base     analyticsFigures
+	procs    []*proc
+	kills    int
+	restarts int
+	rebal    int
 }
 
 func newScenario(t *testing.T, name string, partitions int32) *scenario {
 	t.Helper()
 	brokers := testenv.Brokers(t)
+	suffix := ".e2e-" + uuid.NewString()[:8]
 	s := &scenario{
-		t:       t,
-		name:    name,
-		pool:    testenv.Postgres(t),
-		brokers: brokers,
-		topic:   testenv.Topic(t, brokers, partitions),
-		suffix:  ".e2e-" + uuid.NewString()[:8],
-		account: "acct_e2e_" + uuid.NewString()[:8],
-		dir:     t.TempDir(),
+		t:        t,
+		name:     name,
+		pool:     testenv.Postgres(t),
+		brokers:  brokers,
+		topic:    "order.confirmed.v1" + suffix,
+		cancels:  "order.cancelled.v1" + suffix,
+		payments: "payment.events.v1" + suffix,
+		suffix:   suffix,
+		parts:    partitions,
+		account:  "acct_e2e_" + uuid.NewString()[:8],
+		dir:      t.TempDir(),
 	}
 	if keep := os.Getenv("ONCE_E2E_LOGS"); keep != "" {
 		// Logs survive the test there, for a person to read after a failure.
@@ -89,8 +98,13 @@ func newScenario(t *testing.T, name string, partitions int32) *scenario {
 	}
 	s.dlq = s.topic + ".dlq"
 	admin := testenv.Admin(t, brokers)
-	if err := admin.CreateTopic(s.dlq, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
-		t.Fatal(err)
+	for _, topic := range []string{s.topic, s.cancels, s.payments} {
+		if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.CreateTopic(topic+".dlq", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+			t.Fatal(err)
+		}
 	}
 	cfg := sarama.NewConfig()
 	cfg.Version = sarama.V4_3_1_0
@@ -123,10 +137,7 @@ func (s *scenario) group(name string) string { return name + s.suffix }
 func (s *scenario) useCustomers(ids []int64) {
 	s.t.Helper()
 	s.customers = ids
-	if err := s.pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
-		FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, ids).Scan(&s.baseRevenue, &s.baseOrders); err != nil {
-		s.t.Fatal(err)
-	}
+	s.base = s.analyticsNow()
 }
 
 // proc is one running app process.
@@ -248,7 +259,7 @@ func (s *scenario) consumer(name string, extra ...string) *proc {
 
 func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc {
 	s.t.Helper()
-	args := append([]string{"serve", "--no-migrate", "--topic", s.topic, "--dlq-topic", s.dlq, "--group-suffix", s.suffix,
+	args := append([]string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
 		"--groups", "billing,analytics", "--payment-url", s.providerURL, "--payment-api-key", s.account,
 		"--session-timeout", "6s", "--maintenance-interval", "0",
 		"--log-level", "debug", "--log-format", "json"}, extra...)
@@ -267,8 +278,107 @@ func (s *scenario) newEvent(amount decimal.Decimal) order.Confirmed {
 
 func (s *scenario) send(key string, payload []byte) {
 	s.t.Helper()
-	if _, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: s.topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)}); err != nil {
-		s.t.Fatalf("publish: %v", err)
+	s.sendTo(s.topic, key, payload)
+}
+
+func (s *scenario) sendTo(topic, key string, payload []byte) {
+	s.t.Helper()
+	if _, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)}); err != nil {
+		s.t.Fatalf("publish to %s: %v", topic, err)
+	}
+}
+
+// cancelWhilePublishing cancels, every interval until done closes, the
+// newest order published (most likely before its charge) and an older one
+// (most likely after it).
+func (s *scenario) cancelWhilePublishing(done <-chan struct{}, interval time.Duration) {
+	cancelled := map[int64]bool{}
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-tick.C:
+		}
+		s.mu.Lock()
+		var pick []order.Confirmed
+		if n := len(s.events); n > 20 {
+			for _, ev := range []order.Confirmed{s.events[n-1], s.events[rand.IntN(n/2)]} {
+				if !cancelled[ev.OrderID()] {
+					cancelled[ev.OrderID()] = true
+					pick = append(pick, ev)
+				}
+			}
+		}
+		s.mu.Unlock()
+		s.cancel(pick)
+	}
+}
+
+// copiesIn counts the messages of topic whose event_id is id.
+func (s *scenario) copiesIn(topic, id string) int {
+	s.t.Helper()
+	client, err := sarama.NewClient(s.brokers, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer client.Close()
+	partitions, err := client.Partitions(topic)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer consumer.Close()
+	n := 0
+	for _, p := range partitions {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil || end == 0 {
+			continue
+		}
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		for m := range pc.Messages() {
+			if strings.Contains(string(m.Value), `"event_id":"`+id+`"`) {
+				n++
+			}
+			if m.Offset+1 >= end {
+				break
+			}
+		}
+		pc.Close()
+	}
+	return n
+}
+
+// recancel publishes the last n cancellations again, with the same bytes.
+func (s *scenario) recancel(n int) {
+	s.t.Helper()
+	for _, c := range s.cancelled[len(s.cancelled)-n:] {
+		b, _ := c.MarshalJSON()
+		s.sendTo(s.cancels, strconv.FormatInt(c.OrderID(), 10), b)
+	}
+}
+
+// cancel publishes an order.cancelled.v1 for each event's order, keyed by
+// the order id, as the order service would.
+func (s *scenario) cancel(events []order.Confirmed) {
+	s.t.Helper()
+	for _, ev := range events {
+		c, err := order.NewCancelled(uuid.Must(uuid.NewV7()), time.Now(), ev.OrderID(), "e2e")
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		s.mu.Lock()
+		s.cancelled = append(s.cancelled, c)
+		s.mu.Unlock()
+		b, _ := c.MarshalJSON()
+		s.sendTo(s.cancels, strconv.FormatInt(ev.OrderID(), 10), b)
 	}
 }
 
@@ -335,18 +445,23 @@ func (s *scenario) sendPoison(payload []byte) {
 
 // resetOffsetsToEarliest uses Kafka's own consumer-group tool; the group must
 // have no running members.
-func (s *scenario) resetOffsetsToEarliest(group string) {
+func (s *scenario) resetOffsetsToEarliest(group string, topics ...string) {
 	s.t.Helper()
-	cmd := exec.Command(filepath.Join(repoRoot, "dev", "kafka.sh"), "tool", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
-		"--bootstrap-server", strings.Join(s.brokers, ","), "--group", group, "--topic", s.topic,
-		"--reset-offsets", "--to-earliest", "--execute")
+	args := []string{"tool", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+		"--bootstrap-server", strings.Join(s.brokers, ","), "--group", group}
+	for _, t := range topics {
+		args = append(args, "--topic", t)
+	}
+	cmd := exec.Command(filepath.Join(repoRoot, "dev", "kafka.sh"), append(args, "--reset-offsets", "--to-earliest", "--execute")...)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		s.t.Fatalf("kafka-consumer-groups --reset-offsets: %v\n%s", err, out)
 	}
 }
 
-// waitDrained waits until both groups committed the end of every partition.
+// waitDrained waits until every group committed the end of every partition
+// of every topic it reads, and none of the scenario's dead letters waits in
+// the database.
 func (s *scenario) waitDrained(timeout time.Duration) {
 	s.t.Helper()
 	client, err := sarama.NewClient(s.brokers, nil)
@@ -358,36 +473,43 @@ func (s *scenario) waitDrained(timeout time.Duration) {
 	if err != nil {
 		s.t.Fatal(err)
 	}
+	pairs := [][2]string{{s.group(billingGroup), s.topic}, {s.group(billingGroup), s.cancels},
+		{s.group(analyticsGroup), s.topic}, {s.group(analyticsGroup), s.payments}}
 	deadline := time.Now().Add(timeout)
-	var lag int64
+	var lag, parked int64
 	for time.Now().Before(deadline) {
 		lag = 0
-		_ = client.RefreshMetadata(s.topic)
-		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
-			l, err := pipeline.GroupLag(client, admin, g, s.topic)
+		_ = client.RefreshMetadata(s.topic, s.cancels, s.payments)
+		for _, p := range pairs {
+			l, err := pipeline.GroupLag(client, admin, p[0], p[1])
 			if err != nil {
 				l = 1 << 30 // not known yet: not drained
 			}
 			lag += l
 		}
-		if lag == 0 {
+		if err := s.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = ANY($1)`,
+			[]string{s.topic + ".dlq", s.cancels + ".dlq", s.payments + ".dlq"}).Scan(&parked); err != nil {
+			parked = 1 << 30
+		}
+		if lag == 0 && parked == 0 {
 			return
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
-	s.t.Errorf("consumer lag still %d after %s", lag, timeout)
+	s.t.Errorf("consumer lag still %d, %d dead letters waiting, after %s", lag, parked, timeout)
 }
 
 // outcomes reads every consumer process's log: per group and outcome, the
 // number of deliveries, and the event ids per outcome.
 type outcomes struct {
-	count map[string]map[string]int
-	ids   map[string]map[string][]string
-	lines map[string]int // other log messages of interest, by text
+	count   map[string]map[string]int // group, outcome: over every topic
+	ids     map[string]map[string][]string
+	byTopic map[string]int // group|topic|outcome
+	lines   map[string]int // other log messages of interest, by text
 }
 
 func (s *scenario) readOutcomes() outcomes {
-	o := outcomes{count: map[string]map[string]int{}, ids: map[string]map[string][]string{}, lines: map[string]int{}}
+	o := outcomes{count: map[string]map[string]int{}, ids: map[string]map[string][]string{}, byTopic: map[string]int{}, lines: map[string]int{}}
 	for _, p := range s.procs {
 		f, err := os.Open(p.log)
 		if err != nil {
@@ -400,6 +522,7 @@ func (s *scenario) readOutcomes() outcomes {
 				Msg     string `json:"msg"`
 				Outcome string `json:"outcome"`
 				Group   string `json:"consumer_group"`
+				Topic   string `json:"topic"`
 				EventID string `json:"event_id"`
 			}
 			if json.Unmarshal(sc.Bytes(), &l) != nil {
@@ -414,6 +537,7 @@ func (s *scenario) readOutcomes() outcomes {
 				o.ids[l.Group] = map[string][]string{}
 			}
 			o.count[l.Group][l.Outcome]++
+			o.byTopic[l.Group+"|"+l.Topic+"|"+l.Outcome]++
 			o.ids[l.Group][l.Outcome] = append(o.ids[l.Group][l.Outcome], l.EventID)
 		}
 		f.Close()
@@ -436,7 +560,7 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	t.Helper()
 	s.waitDrained(drainTimeout)
 	ctx := context.Background()
-	r := result{Scenario: s.name, Events: len(s.events) + len(s.declined), Kills: s.kills, Restarts: s.restarts, Rebal: s.rebal}
+	r := result{Scenario: s.name, Events: len(s.events) + len(s.declined) + len(s.cancelled), Kills: s.kills, Restarts: s.restarts, Rebal: s.rebal}
 	o := s.readOutcomes()
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
 		r.Deliveries += o.total(g)
@@ -451,19 +575,50 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	if err != nil {
 		t.Fatalf("ledger: %v", err)
 	}
-	want := map[string]order.Confirmed{}
+	key := func(id int64) string { return strconv.FormatInt(id, 10) }
 	ids := make([]uuid.UUID, 0, len(s.events))
+	for _, ev := range s.events {
+		ids = append(ids, ev.EventID())
+	}
+	cancelIDs := make([]uuid.UUID, 0, len(s.cancelled))
+	cancelledOrder := map[string]bool{}
+	for _, c := range s.cancelled {
+		cancelIDs = append(cancelIDs, c.EventID())
+		cancelledOrder[key(c.OrderID())] = true
+	}
+	// Billing's record of each order: charged, failed, or cancelled before
+	// its charge (then it must never be charged).
+	status := map[string]string{}
+	rows, err := s.pool.Query(ctx, `SELECT order_id, status FROM billing.payments WHERE event_id = ANY($1)`,
+		append(append([]uuid.UUID(nil), ids...), s.declinedIDs()...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id int64
+		var st string
+		_ = rows.Scan(&id, &st)
+		status[key(id)] = st
+	}
+	rows.Close()
+
+	want := map[string]order.Confirmed{} // orders that must be charged once
 	total := decimal.Zero
 	for _, ev := range s.events {
-		want[strconv.FormatInt(ev.OrderID(), 10)] = ev
-		ids = append(ids, ev.EventID())
+		switch st := status[key(ev.OrderID())]; {
+		case st == "cancelled" && cancelledOrder[key(ev.OrderID())]:
+			continue // its cancellation came first: never charged
+		case st != "charged":
+			t.Errorf("order %d: billing recorded %q, want charged", ev.OrderID(), st)
+		}
+		want[key(ev.OrderID())] = ev
 		total = total.Add(ev.TotalAmount())
 	}
 	charged := map[string]int{}
 	for _, c := range ledger.Charges {
 		charged[c.OrderID]++
 		if _, ok := want[c.OrderID]; !ok {
-			t.Errorf("charge %s for an order the scenario never confirmed: %s", c.ChargeID, c.OrderID)
+			t.Errorf("charge %s for an order that must not be charged: %s", c.ChargeID, c.OrderID)
 		}
 	}
 	r.Charges = ledger.Count
@@ -473,62 +628,109 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 			t.Errorf("order %s charged %d times", id, n)
 		}
 	}
-	missingCharge := 0
-	for id := range want {
-		if charged[id] == 0 {
-			missingCharge++
-		}
-	}
-	if ledger.Totals["EUR"] != total.StringFixed(2) && len(want) > 0 {
+	if len(want) > 0 && ledger.Totals["EUR"] != total.StringFixed(2) {
 		t.Errorf("charged total %s, ordered total %s", ledger.Totals["EUR"], total.StringFixed(2))
 	}
 
-	var payments int
-	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM billing.payments WHERE event_id = ANY($1) AND status = 'charged'`, ids).Scan(&payments); err != nil {
-		t.Fatal(err)
-	}
-	if payments != len(s.events) {
-		t.Errorf("billing recorded %d charged payments for %d orders", payments, len(s.events))
-	}
-	declinedIDs := make([]uuid.UUID, 0, len(s.declined))
-	declinedTotal := decimal.Zero
-	for _, ev := range s.declined {
-		declinedIDs = append(declinedIDs, ev.EventID())
-		declinedTotal = declinedTotal.Add(ev.TotalAmount())
-		if charged[strconv.FormatInt(ev.OrderID(), 10)] > 0 {
-			t.Errorf("declined order %d was charged", ev.OrderID())
+	// Refunds: each cancelled order that was charged, once, in full; none
+	// other.
+	refunds := map[string]int{}
+	refunded := decimal.Zero
+	for _, rf := range ledger.Refunds {
+		refunds[rf.OrderID]++
+		amount := decimal.RequireFromString(rf.Amount)
+		refunded = refunded.Add(amount)
+		if ev, ok := want[rf.OrderID]; !ok || !cancelledOrder[rf.OrderID] || !amount.Equal(ev.TotalAmount()) {
+			t.Errorf("refund %s of order %s: not a cancelled, charged order, or not in full", rf.RefundID, rf.OrderID)
 		}
 	}
+	r.Refunds = ledger.RefundCount
+	missingRefunds := 0
+	for o := range cancelledOrder {
+		if _, ok := want[o]; ok && refunds[o] == 0 {
+			missingRefunds++
+		}
+		if refunds[o] > 1 {
+			r.DoubleRefunds++
+			t.Errorf("order %s refunded %d times", o, refunds[o])
+		}
+	}
+	var ourRefunds int
+	var ourRefunded decimal.Decimal
+	if err := s.pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs).Scan(&ourRefunds, &ourRefunded); err != nil {
+		t.Fatal(err)
+	}
+	if ourRefunds != ledger.RefundCount || !ourRefunded.Equal(refunded) {
+		t.Errorf("billing recorded %d refunds (%s), the provider made %d (%s)", ourRefunds, ourRefunded, ledger.RefundCount, refunded)
+	}
+
 	var failed int
-	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM billing.payments WHERE event_id = ANY($1) AND status = 'failed'`, declinedIDs).Scan(&failed); err != nil {
+	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM billing.payments WHERE event_id = ANY($1) AND status = 'failed'`, s.declinedIDs()).Scan(&failed); err != nil {
 		t.Fatal(err)
 	}
 	if failed != len(s.declined) {
 		t.Errorf("billing recorded %d failed payments for %d declined orders", failed, len(s.declined))
 	}
-	var revenue decimal.Decimal
-	var count int
-	if err := s.pool.QueryRow(ctx, `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0) FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, s.customers).Scan(&revenue, &count); err != nil {
+	declinedTotal := decimal.Zero
+	for _, ev := range s.declined {
+		declinedTotal = declinedTotal.Add(ev.TotalAmount())
+		if charged[key(ev.OrderID())] > 0 {
+			t.Errorf("declined order %d was charged", ev.OrderID())
+		}
+	}
+	ordered := declinedTotal
+	for _, ev := range s.events {
+		ordered = ordered.Add(ev.TotalAmount())
+	}
+
+	// Billing's payment events, through its outbox, each applied once by
+	// analytics: every one claimed, and analytics' counts equal the ledger.
+	var outgoing []uuid.UUID
+	for o, ev := range want {
+		if charged[o] > 0 {
+			outgoing = append(outgoing, outbox.EventID(ev.EventID(), order.TypePaymentChargedV1))
+		}
+	}
+	for _, ev := range s.declined {
+		outgoing = append(outgoing, outbox.EventID(ev.EventID(), order.TypePaymentFailedV1))
+	}
+	rows, err = s.pool.Query(ctx, `SELECT event_id FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs)
+	if err != nil {
 		t.Fatal(err)
 	}
-	revenue, count = revenue.Sub(s.baseRevenue), count-s.baseOrders
-	if all := total.Add(declinedTotal); !revenue.Equal(all) || count != len(s.events)+len(s.declined) {
-		t.Errorf("analytics: %s over %d orders; want %s over %d", revenue, count, all, len(s.events)+len(s.declined))
+	for rows.Next() {
+		var id uuid.UUID
+		_ = rows.Scan(&id)
+		outgoing = append(outgoing, outbox.EventID(id, order.TypePaymentRefundedV1))
 	}
+	rows.Close()
+	unclaimed := s.waitClaimed(s.group(analyticsGroup), outgoing, 60*time.Second)
+
+	a := s.analyticsNow()
+	a.revenue, a.orders = a.revenue.Sub(s.base.revenue), a.orders-s.base.orders
+	a.refunded, a.refunds = a.refunded.Sub(s.base.refunded), a.refunds-s.base.refunds
+	a.charges, a.failures = a.charges-s.base.charges, a.failures-s.base.failures
+	if !a.revenue.Equal(ordered) || a.orders != len(s.events)+len(s.declined) {
+		t.Errorf("analytics: %s over %d orders; want %s over %d", a.revenue, a.orders, ordered, len(s.events)+len(s.declined))
+	}
+	if !a.refunded.Equal(refunded) || a.refunds != ledger.RefundCount || a.charges != ledger.Count || a.failures != len(s.declined) {
+		t.Errorf("analytics applied %d charges, %d failures, %d refunds (%s); the ledger has %d charges, %d declined, %d refunds (%s)",
+			a.charges, a.failures, a.refunds, a.refunded, ledger.Count, len(s.declined), ledger.RefundCount, refunded)
+	}
+
 	lost := map[uuid.UUID]bool{}
-	claimed := append(append([]uuid.UUID(nil), ids...), declinedIDs...)
+	for _, id := range unclaimed {
+		lost[id] = true
+	}
+	claimed := append(append(append([]uuid.UUID(nil), ids...), s.declinedIDs()...), cancelIDs...)
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
-		rows, err := s.pool.Query(ctx, `SELECT e FROM unnest($1::uuid[]) AS e WHERE NOT EXISTS (
-			SELECT 1 FROM processed_event p WHERE p.event_id = e AND p.consumer_group = $2)`, claimed, g)
-		if err != nil {
-			t.Fatal(err)
+		check := claimed
+		if g == s.group(analyticsGroup) {
+			check = append(append([]uuid.UUID(nil), ids...), s.declinedIDs()...) // analytics reads no cancellations
 		}
-		for rows.Next() {
-			var id uuid.UUID
-			_ = rows.Scan(&id)
+		for _, id := range s.unclaimed(g, check) {
 			lost[id] = true
 		}
-		rows.Close()
 	}
 	for id := range want {
 		if charged[id] == 0 {
@@ -537,7 +739,11 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	}
 	r.Lost = len(lost)
 	if r.Lost > 0 {
-		t.Errorf("%d valid events lost (no claim in a group, or never charged; %d uncharged)", r.Lost, missingCharge)
+		t.Errorf("%d events lost (no claim in a group, never charged, never refunded, or a payment event never applied: %d of %d outgoing; %d refunds missing)",
+			r.Lost, len(unclaimed), len(outgoing), missingRefunds)
+	}
+	if missingRefunds > 0 {
+		t.Errorf("%d cancelled, charged orders were never refunded", missingRefunds)
 	}
 	s.verifyPoison()
 	// Recorded when the test ends, so checks made after verify count too.
@@ -546,6 +752,65 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 		record(r)
 	})
 	t.Logf("%s: %+v", s.name, r)
+}
+
+func (s *scenario) declinedIDs() []uuid.UUID {
+	ids := make([]uuid.UUID, 0, len(s.declined))
+	for _, ev := range s.declined {
+		ids = append(ids, ev.EventID())
+	}
+	return ids
+}
+
+// unclaimed returns the ids that group has no claim of.
+func (s *scenario) unclaimed(group string, ids []uuid.UUID) []uuid.UUID {
+	s.t.Helper()
+	rows, err := s.pool.Query(context.Background(), `SELECT e FROM unnest($1::uuid[]) AS e WHERE NOT EXISTS (
+		SELECT 1 FROM processed_event p WHERE p.event_id = e AND p.consumer_group = $2)`, ids, group)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return out
+}
+
+// waitClaimed waits until group claimed every id (outbox events reach Kafka
+// after their transaction, so after the lag said drained), and returns
+// those it never claimed.
+func (s *scenario) waitClaimed(group string, ids []uuid.UUID, timeout time.Duration) []uuid.UUID {
+	s.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		missing := s.unclaimed(group, ids)
+		if len(missing) == 0 || time.Now().After(deadline) {
+			return missing
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// analyticsFigures are analytics' totals of the scenario's customers.
+type analyticsFigures struct {
+	revenue, refunded                  decimal.Decimal
+	orders, refunds, charges, failures int
+}
+
+func (s *scenario) analyticsNow() analyticsFigures {
+	s.t.Helper()
+	var a analyticsFigures
+	if err := s.pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0),
+		coalesce(sum(refunded), 0), coalesce(sum(refund_count), 0) FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`,
+		s.customers).Scan(&a.revenue, &a.orders, &a.refunded, &a.refunds); err != nil {
+		s.t.Fatal(err)
+	}
+	if err := s.pool.QueryRow(context.Background(), `SELECT coalesce(sum(charged_count), 0), coalesce(sum(failed_count), 0)
+		FROM analytics.customer_daily_payments WHERE customer_id = ANY($1)`, s.customers).Scan(&a.charges, &a.failures); err != nil {
+		s.t.Fatal(err)
+	}
+	return a
 }
 
 // verifyPoison reads the dead-letter topic: every poison message must be

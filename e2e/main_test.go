@@ -53,6 +53,7 @@ type result struct {
 	Duplicates             int
 	Kills, Restarts, Rebal int
 	Charges, DoubleCharges int
+	Refunds, DoubleRefunds int
 	Lost                   int
 	Pass                   bool
 }
@@ -77,14 +78,14 @@ func printResults() {
 	sort.SliceStable(results, func(i, j int) bool { return results[i].Scenario < results[j].Scenario })
 	var b strings.Builder
 	w := tabwriter.NewWriter(&b, 0, 0, 1, ' ', tabwriter.Debug)
-	fmt.Fprintln(w, "scenario\tevents\tdeliveries\tduplicates skipped\tkills\trestarts\trebalances\tcharges\tdouble charges\tlost\tresult\t")
+	fmt.Fprintln(w, "scenario\tevents\tdeliveries\tduplicates skipped\tkills\trestarts\trebalances\tcharges\trefunds\tdouble charges\tdouble refunds\tlost\tresult\t")
 	for _, r := range results {
 		verdict := "PASS"
 		if !r.Pass {
 			verdict = "FAIL"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t\n", r.Scenario, r.Events, r.Deliveries, r.Duplicates,
-			r.Kills, r.Restarts, r.Rebal, r.Charges, r.DoubleCharges, r.Lost, verdict)
+		fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t\n", r.Scenario, r.Events, r.Deliveries, r.Duplicates,
+			r.Kills, r.Restarts, r.Rebal, r.Charges, r.Refunds, r.DoubleCharges, r.DoubleRefunds, r.Lost, verdict)
 	}
 	w.Flush()
 	table := fmt.Sprintf("e2e results\n%s", b.String())

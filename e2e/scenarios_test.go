@@ -5,12 +5,16 @@ import (
 	"math/rand/v2"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/service/order"
 )
 
 // scale multiplies counts in the soak variant.
@@ -23,7 +27,7 @@ func scale(n int) int {
 
 func runDLQReplay(s *scenario) {
 	s.t.Helper()
-	p := s.start("dlq-replay", "dlq", "replay", "--topic", s.topic, "--dlq-topic", s.dlq, "--group", "dlq-replay"+s.suffix, "--max-age", "1h")
+	p := s.start("dlq-replay", "dlq", "replay", "--topic-suffix", s.suffix, "--group", "dlq-replay"+s.suffix, "--max-age", "1h")
 	select {
 	case <-p.done:
 	case <-time.After(60 * time.Second):
@@ -36,11 +40,23 @@ func runDLQReplay(s *scenario) {
 
 // 1. Duplicates from every source: a producer re-publishing (same key), the
 // same event on two partitions at once (two instances race on it), a
-// dead-letter replay, and Kafka's own consumer-group offset reset.
+// dead-letter replay, and Kafka's own consumer-group offset reset. Orders are
+// cancelled before their confirmation arrives (never charged) and after
+// their charge (refunded), cancellations re-published too.
 func TestDuplicatesFromEverySource(t *testing.T) {
 	s := newScenario(t, "1 duplicates from every source", 6)
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
+	// Cancelled before they are confirmed: the cancellation blocks the charge.
+	early := make([]order.Confirmed, 10)
+	for i := range early {
+		early[i] = s.newEvent(decimal.RequireFromString("20.00"))
+	}
+	s.cancel(early)
+	time.Sleep(2 * time.Second)
+	for _, ev := range early {
+		s.sendEvent(ev, &s.events)
+	}
 	events := s.publish(scale(400), 0)
 	s.republish(events[:len(events)/10], false)
 	s.republish(events[len(events)/10:len(events)/5], true)
@@ -49,13 +65,18 @@ func TestDuplicatesFromEverySource(t *testing.T) {
 	declined := s.publishDeclined(5)
 	s.sendPoison([]byte(`{"event_id":"not-even-json`))
 	s.waitDrained(90 * time.Second)
+	// Cancelled after their charge: refunded, once, though each cancellation
+	// is delivered twice.
+	s.cancel(events[:20])
+	s.recancel(20)
+	s.waitDrained(90 * time.Second)
 
 	runDLQReplay(s)
 	s.waitDrained(60 * time.Second)
 
 	a.stop(t)
 	b.stop(t)
-	s.resetOffsetsToEarliest(s.group(analyticsGroup))
+	s.resetOffsetsToEarliest(s.group(analyticsGroup), s.topic, s.payments)
 	s.consumer("consumer-a")
 	s.consumer("consumer-b")
 	s.restarts += 2
@@ -65,8 +86,8 @@ func TestDuplicatesFromEverySource(t *testing.T) {
 	if d := o.count[s.group(analyticsGroup)]["duplicate"]; d < len(events) {
 		t.Errorf("analytics skipped %d duplicates after the reset to earliest; want at least %d (every event again)", d, len(events))
 	}
-	if d := o.count[s.group(billingGroup)]["duplicate"]; d < len(events)/5+len(declined) {
-		t.Errorf("billing skipped %d duplicates; want at least %d (re-published and replayed)", d, len(events)/5+len(declined))
+	if d := o.count[s.group(billingGroup)]["duplicate"]; d < len(events)/5+len(declined)+20 {
+		t.Errorf("billing skipped %d duplicates; want at least %d (re-published, replayed, cancellations twice)", d, len(events)/5+len(declined)+20)
 	}
 }
 
@@ -77,11 +98,14 @@ func TestKillNine(t *testing.T) {
 	s.startProvider()
 	consumers := []*proc{
 		s.consumerEnv("consumer-a", []string{"ONCE_E2E_KILL_AFTER_COMMIT=40"}),
-		s.consumer("consumer-b"),
+		// Between the outbox's publish to Kafka and its acknowledgement.
+		s.consumerEnv("consumer-b", []string{"ONCE_E2E_KILL_AFTER_FORWARD=25"}),
 	}
 	var mu sync.Mutex
 	done := make(chan struct{})
 	go func() { defer close(done); s.publish(scale(1000), 80*time.Millisecond) }()
+	cancelling := make(chan struct{})
+	go func() { defer close(cancelling); s.cancelWhilePublishing(done, 400*time.Millisecond) }()
 
 	// First the deterministic kill: consumer-a kills itself after its 40th
 	// commit, before acknowledging that message.
@@ -117,6 +141,7 @@ func TestKillNine(t *testing.T) {
 		mu.Unlock()
 	}
 	<-done
+	<-cancelling
 	for i, p := range consumers {
 		if !p.running() {
 			s.kills++
@@ -128,25 +153,36 @@ func TestKillNine(t *testing.T) {
 
 	// The commit/ack window was hit: the hook's event was committed before the
 	// kill and, redelivered, skipped as a duplicate.
+	const commitKill = "e2e: killing this process between the database commit and the offset commit"
+	const forwardKill = "e2e: killing this process between the outbox publish and its acknowledgement"
 	o := s.readOutcomes()
-	if o.lines["e2e: killing this process between the database commit and the offset commit"] != 1 {
+	if o.lines[commitKill] != 1 {
 		t.Fatalf("the kill between commit and ack did not happen")
 	}
-	windowEvent, windowGroup := hookLine(t, s)
-	found := false
-	for _, id := range o.ids[windowGroup]["duplicate"] {
-		found = found || id == windowEvent
-	}
-	if !found {
+	windowEvent, windowGroup := hookLine(t, s, commitKill)
+	if !slices.Contains(o.ids[windowGroup]["duplicate"], windowEvent) {
 		t.Errorf("event %s, killed between commit and ack in %s, was not redelivered and skipped", windowEvent, windowGroup)
+	}
+	// And the outbox's window: the payment event published just before the
+	// kill was published again by a forwarder after it, with the same id,
+	// and analytics applied it once and skipped the copy.
+	if o.lines[forwardKill] != 1 {
+		t.Fatalf("the kill between the outbox publish and its acknowledgement did not happen")
+	}
+	forwarded, _ := hookLine(t, s, forwardKill)
+	if n := s.copiesIn(s.payments, forwarded); n < 2 {
+		t.Errorf("payment event %s, killed between publish and ack, is in %s %d times; want it published again", forwarded, s.payments, n)
+	}
+	if !slices.Contains(o.ids[s.group(analyticsGroup)]["duplicate"], forwarded) || !slices.Contains(o.ids[s.group(analyticsGroup)]["processed"], forwarded) {
+		t.Errorf("payment event %s: analytics did not apply it once and skip its copy", forwarded)
 	}
 }
 
-// hookLine returns the event and group the kill hook logged.
-func hookLine(t *testing.T, s *scenario) (eventID, group string) {
+// hookLine returns the event and group of the kill hook's line with text.
+func hookLine(t *testing.T, s *scenario, text string) (eventID, group string) {
 	t.Helper()
 	for _, p := range s.procs {
-		out, _ := exec.Command("grep", "-h", "e2e: killing", p.log).Output()
+		out, _ := exec.Command("grep", "-h", text, p.log).Output()
 		if len(out) == 0 {
 			continue
 		}

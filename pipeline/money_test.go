@@ -57,7 +57,7 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	client, requests := providerFor(t, e, payment.Faults{ResetAfterChargeRate: 1}, payment.ClientConfig{MaxAttempts: 1})
 	group := uniqueGroup("billing")
 	var seen outcomes
-	cfg := e.config(pipeline.Group[order.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR"}.Handle})
+	cfg := e.config(pipeline.Group[order.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed})
 	cfg.HoldBackoff = 10 * time.Millisecond
 	cfg.OnResult = seen.record
 	run(t, cfg)
@@ -95,8 +95,8 @@ func TestThousandEventsPublishedTwiceThroughBothGroups(t *testing.T) {
 	billingGroup, analyticsGroup := uniqueGroup("billing"), uniqueGroup("analytics")
 	var seen outcomes
 	cfg := e.config(
-		pipeline.Group[order.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR"}.Handle},
-		pipeline.Group[order.Confirmed]{Name: analyticsGroup, Handle: analytics.Handler{}.Handle},
+		pipeline.Group[order.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed},
+		pipeline.Group[order.Confirmed]{Name: analyticsGroup, Handle: analytics.Handler{}.OnConfirmed},
 	)
 	cfg.OnResult = seen.record
 

@@ -19,6 +19,7 @@ type demoCmd struct {
 	DeclineShare   float64       `name:"decline-share" default:"0.005" help:"Share of orders priced above the provider's decline limit."`
 	Poison         int           `name:"poison" default:"24" help:"Malformed messages injected into the stream."`
 	ResetRate      float64       `name:"reset-rate" default:"0.02" help:"Share of charges after which the provider drops the connection."`
+	CancelShare    float64       `name:"cancel-share" default:"0.04" help:"Share of orders cancelled: half right after their confirmation (mostly before the charge), half after it (refunded)."`
 	Timeout        time.Duration `name:"timeout" default:"15m" help:"Give up after this long."`
 	Verbose        bool          `name:"verbose" help:"Show the services' logs (warnings and up are always shown)."`
 }
@@ -27,7 +28,7 @@ func (c *demoCmd) Validate() error {
 	if c.Orders < 10 {
 		return fmt.Errorf("--orders must be at least 10, got %d", c.Orders)
 	}
-	for name, v := range map[string]float64{"--republish-share": c.RepublishShare, "--decline-share": c.DeclineShare, "--reset-rate": c.ResetRate} {
+	for name, v := range map[string]float64{"--republish-share": c.RepublishShare, "--decline-share": c.DeclineShare, "--reset-rate": c.ResetRate, "--cancel-share": c.CancelShare} {
 		if v <= 0 || v >= 1 {
 			return fmt.Errorf("%s must be between 0 and 1 (exclusive), got %v", name, v)
 		}
@@ -61,11 +62,11 @@ func (c *demoCmd) Run(ctx context.Context, d deps) error {
 		// counted in the summary instead of logged line by line.
 		log = slog.New(newLevelFilter(d.log.Handler(), slog.LevelError))
 	}
-	fmt.Fprintf(d.stderr, "demo: %d orders through billing and analytics, with duplicates from every source\n", c.Orders)
+	fmt.Fprintf(d.stderr, "demo: %d orders through billing and analytics, some cancelled, with duplicates from every source\n", c.Orders)
 	s, err := demo.Run(ctx, demo.Config{
 		DB: pool, ProviderDB: providerPool, Brokers: c.Kafka.Brokers, KafkaVersion: c.Kafka.KafkaVersion, Partitions: c.Kafka.Partitions,
 		Orders: c.Orders, RepublishShare: c.RepublishShare, DeclineShare: c.DeclineShare, PoisonMessages: c.Poison,
-		ResetRate: c.ResetRate, Timeout: c.Timeout, Progress: d.stderr, Logger: log,
+		ResetRate: c.ResetRate, CancelShare: c.CancelShare, Timeout: c.Timeout, Progress: d.stderr, Logger: log,
 	})
 	if err != nil {
 		return err

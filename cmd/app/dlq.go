@@ -22,17 +22,27 @@ type dlqReplayCmd struct {
 
 func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	p := progress.New(d.stderr)
-	rep, err := dlq.Replay(ctx, dlq.Config{
-		Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
-		DLQTopic: c.Kafka.DLQTopic, Topic: c.Kafka.Topic, Group: c.Group, MaxAge: c.MaxAge,
-		Progress: func(done, total int64) { p.Set("replaying %d/%d", done, total) },
-	})
-	p.Done()
-	if err != nil {
-		return err
+	defer p.Done()
+	var total dlq.Report
+	total.ByTopic = map[string]int64{}
+	for _, topic := range []string{c.Kafka.confirmed(), c.Kafka.cancelled(), c.Kafka.payments()} {
+		rep, err := dlq.Replay(ctx, dlq.Config{
+			Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
+			DLQTopic: dlqOf(topic), Topic: topic, Group: c.Group, MaxAge: c.MaxAge,
+			Progress: func(done, n int64) { p.Set("replaying %s: %d/%d", dlqOf(topic), done, n) },
+		})
+		if err != nil {
+			return err
+		}
+		total.Replayed += rep.Replayed
+		total.SkippedStale += rep.SkippedStale
+		for t, n := range rep.ByTopic {
+			total.ByTopic[t] += n
+		}
 	}
-	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d older than %s\n", rep.Replayed, rep.SkippedStale, c.MaxAge)
-	for topic, n := range rep.ByTopic {
+	p.Done()
+	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s\n", total.Replayed, total.SkippedStale, c.MaxAge)
+	for topic, n := range total.ByTopic {
 		fmt.Fprintf(d.stdout, "  %s\t%d\n", topic, n)
 	}
 	return nil

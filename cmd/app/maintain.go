@@ -34,8 +34,9 @@ func (r *retentionSettings) config(d deps) retention.Config {
 }
 
 type maintainCmd struct {
-	DB        dbSettings        `embed:""`
-	Retention retentionSettings `embed:""`
+	DB             dbSettings        `embed:""`
+	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them; each is maintained too."`
+	Retention      retentionSettings `embed:""`
 }
 
 func (m *maintainCmd) Run(ctx context.Context, d deps) error {
@@ -44,17 +45,29 @@ func (m *maintainCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pool.Close()
-	cfg := m.Retention.config(d)
-	cfg.DB = pool
-	rep, err := retention.Run(ctx, cfg)
+	groups := make([]string, 0, len(m.GroupDatabases))
+	for g := range m.GroupDatabases {
+		groups = append(groups, g)
+	}
+	pools, err := m.DB.groupPools(ctx, d, pool, m.GroupDatabases, groups, false)
 	if err != nil {
 		return err
 	}
-	if rep.Busy {
-		fmt.Fprintln(d.stdout, "another instance holds the maintenance lock; nothing done")
-		return nil
+	defer pools.close()
+	for _, db := range pools.all {
+		cfg := m.Retention.config(d)
+		cfg.DB = db
+		rep, err := retention.Run(ctx, cfg)
+		if err != nil {
+			return fmt.Errorf("database %s: %w", db.Config().ConnConfig.Database, err)
+		}
+		fmt.Fprintf(d.stdout, "database %s\n", db.Config().ConnConfig.Database)
+		if rep.Busy {
+			fmt.Fprintln(d.stdout, "  another instance holds the maintenance lock; nothing done")
+			continue
+		}
+		fmt.Fprintf(d.stdout, "  created %d partitions %v\n  dropped %d partitions %v\n  deleted %d expired claims\n  skipped %v\n",
+			len(rep.Created), rep.Created, len(rep.Dropped), rep.Dropped, rep.Deleted, rep.Skipped)
 	}
-	fmt.Fprintf(d.stdout, "created %d partitions %v\ndropped %d partitions %v\ndeleted %d expired claims\nskipped %v\n",
-		len(rep.Created), rep.Created, len(rep.Dropped), rep.Dropped, rep.Deleted, rep.Skipped)
 	return nil
 }

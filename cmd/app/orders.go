@@ -7,10 +7,13 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/orders"
@@ -48,7 +51,8 @@ func (c *ordersCmd) Validate() error {
 	return nil
 }
 
-// Run serves POST /v1/orders {"customer_id","total_amount"} and forwards
+// Run serves POST /v1/orders {"customer_id","total_amount"} and
+// POST /v1/orders/{id}/cancel {"reason"}, and forwards
 // the outbox to Kafka until stopped.
 func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	pool, err := c.DB.open(ctx, d, true)
@@ -59,19 +63,19 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	if err := c.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
-	svc, err := orders.NewService(orders.Config{DB: pool, Topic: c.Kafka.Topic, Logger: d.log})
+	svc, err := orders.NewService(orders.Config{DB: pool, Topic: c.Kafka.confirmed(), CancelledTopic: c.Kafka.cancelled(), Logger: d.log})
 	if err != nil {
 		return err
 	}
 	if err := svc.Init(ctx); err != nil {
 		return err
 	}
-	pub, err := orders.NewKafkaPublisher(c.Kafka.Brokers, pipeline.PublisherSaramaConfig(c.Kafka.version), nil)
+	producer, err := sarama.NewSyncProducer(c.Kafka.Brokers, pipeline.PublisherSaramaConfig(c.Kafka.version))
 	if err != nil {
-		return err
+		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
-	defer pub.Close()
-	fw, err := svc.NewForwarder(pub)
+	defer producer.Close()
+	fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: producer})
 	if err != nil {
 		return err
 	}
@@ -114,6 +118,38 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)
+		_ = json.NewEncoder(w).Encode(ev)
+	})
+	mux.HandleFunc("POST /v1/orders/{id}/cancel", func(w http.ResponseWriter, r *http.Request) {
+		id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+		if err != nil {
+			http.Error(w, "order id: want an integer", http.StatusBadRequest)
+			return
+		}
+		var body struct {
+			Reason string `json:"reason"`
+		}
+		if r.ContentLength != 0 {
+			if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+				http.Error(w, "body: want {\"reason\": \"...\"}: "+err.Error(), http.StatusBadRequest)
+				return
+			}
+		}
+		ev, err := svc.Cancel(r.Context(), id, body.Reason)
+		switch {
+		case errors.Is(err, orders.ErrNotFound):
+			http.Error(w, err.Error(), http.StatusNotFound)
+			return
+		case errors.Is(err, orders.ErrAlreadyCancelled):
+			http.Error(w, err.Error(), http.StatusConflict)
+			return
+		case err != nil:
+			d.log.Error("cancel order", "order_id", id, "err", err)
+			http.Error(w, "could not cancel the order", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusAccepted)
 		_ = json.NewEncoder(w).Encode(ev)
 	})
 	httpErr := serveHTTP(ctx, d, "order API", c.Listen, mux)

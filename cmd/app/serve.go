@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"regexp"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -12,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/service/analytics"
@@ -33,9 +35,11 @@ type serveCmd struct {
 	HoldMax    time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
 	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
-	GroupSuffix     string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
-	SessionTimeout  time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
-	KillAfterCommit int           `name:"e2e-kill-after-commit" env:"ONCE_E2E_KILL_AFTER_COMMIT" hidden:"" help:"Test hook: SIGKILL this process right after the n-th database commit, before its offset is acknowledged."`
+	GroupSuffix      string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
+	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
+	KillAfterCommit  int           `name:"e2e-kill-after-commit" env:"ONCE_E2E_KILL_AFTER_COMMIT" hidden:"" help:"Test hook: SIGKILL this process right after the n-th database commit, before its offset is acknowledged."`
+	KillAfterForward int           `name:"e2e-kill-after-forward" env:"ONCE_E2E_KILL_AFTER_FORWARD" hidden:"" help:"Test hook: SIGKILL this process right after the n-th outbox event reached Kafka, before its row is acknowledged."`
+	OutboxRetention  time.Duration `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted (every 10 minutes)."`
 
 	Retention           retentionSettings `embed:""`
 	MaintenanceInterval time.Duration     `name:"maintenance-interval" env:"ONCE_MAINTENANCE_INTERVAL" default:"10m" help:"How often this process runs a retention pass (0 to leave it to app maintain)."`
@@ -44,21 +48,54 @@ type serveCmd struct {
 	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
 }
 
-// handlers lists the consumer groups this binary can run on the
-// order-confirmed topic.
-var handlers = map[string]func(*serveCmd) (pipeline.HandlerFunc[order.Confirmed], error){
-	"analytics": func(*serveCmd) (pipeline.HandlerFunc[order.Confirmed], error) { return analytics.Handler{}.Handle, nil },
-	"billing": func(s *serveCmd) (pipeline.HandlerFunc[order.Confirmed], error) {
-		client, err := s.Payment.client()
-		if err != nil {
-			return nil, err
-		}
-		h := billing.Handler{Payments: client, Currency: s.BillingCurrency}
-		if err := h.Validate(); err != nil {
-			return nil, fmt.Errorf("--billing-currency (BILLING_CURRENCY): %w", err)
-		}
-		return h.Handle, nil
+// topics are the reference service's three topics, each with the groups of
+// this process that read it.
+type topics struct {
+	confirmed pipeline.Topic[order.Confirmed]
+	cancelled pipeline.Topic[order.Cancelled]
+	payments  pipeline.Topic[order.Payment]
+}
+
+// groupDeps is what a group's handlers are built from.
+type groupDeps struct {
+	s    *serveCmd
+	name string // with the suffix
+	db   *pgxpool.Pool
+}
+
+// handlers lists the consumer groups this binary can run, and adds each to
+// the topics it reads.
+var handlers = map[string]func(groupDeps, *topics) error{
+	"analytics": func(d groupDeps, t *topics) error {
+		h := analytics.Handler{}
+		t.confirmed.Groups = append(t.confirmed.Groups, pipeline.Group[order.Confirmed]{Name: d.name, Handle: h.OnConfirmed, DB: d.db, TooOld: d.s.tooOld("analytics")})
+		t.payments.Groups = append(t.payments.Groups, pipeline.Group[order.Payment]{Name: d.name, Handle: h.OnPayment, DB: d.db, TooOld: d.s.tooOld("analytics")})
+		return nil
 	},
+	"billing": func(d groupDeps, t *topics) error {
+		client, err := d.s.Payment.client()
+		if err != nil {
+			return err
+		}
+		box, err := outbox.New(outbox.Config{})
+		if err != nil {
+			return err
+		}
+		h := billing.Handler{Payments: client, Currency: d.s.BillingCurrency, DB: d.db, Outbox: box, Topic: d.s.Kafka.payments()}
+		if err := h.Validate(); err != nil {
+			return fmt.Errorf("--billing-currency (BILLING_CURRENCY): %w", err)
+		}
+		t.confirmed.Groups = append(t.confirmed.Groups, pipeline.Group[order.Confirmed]{Name: d.name, Handle: h.OnConfirmed, DB: d.db, TooOld: d.s.tooOld("billing")})
+		t.cancelled.Groups = append(t.cancelled.Groups, pipeline.Group[order.Cancelled]{Name: d.name, Handle: h.OnCancelled, DB: d.db, TooOld: d.s.tooOld("billing")})
+		return nil
+	},
+}
+
+func (s *serveCmd) tooOld(group string) idempotency.TooOldPolicy {
+	if p, ok := s.TooOld[group]; ok {
+		return idempotency.TooOldPolicy(p)
+	}
+	return idempotency.RejectTooOld
 }
 
 func groupNames() []string {
@@ -94,7 +131,7 @@ func (s *serveCmd) Validate() error {
 	if s.MaxClockSkew >= s.Retention.Retention {
 		return fmt.Errorf("--max-clock-skew (ONCE_MAX_CLOCK_SKEW) must be well below --dedup-retention")
 	}
-	if (billing.Handler{Payments: noCharger{}, Currency: s.BillingCurrency}).Validate() != nil {
+	if !currencyCode.MatchString(s.BillingCurrency) {
 		return fmt.Errorf("--billing-currency (BILLING_CURRENCY) %q: want an ISO 4217 code such as EUR", s.BillingCurrency)
 	}
 	for g, url := range s.GroupDatabases {
@@ -116,12 +153,12 @@ func (s *serveCmd) Validate() error {
 	return nil
 }
 
-// killBetweenCommitAndAck is the e2e tests' crash: the transaction has
-// committed and the message is not acknowledged yet, so its offset is not
-// committed. A real SIGKILL, not an exit: nothing gets to clean up.
-func killBetweenCommitAndAck(d deps, r idempotency.Result) {
-	d.log.Warn("e2e: killing this process between the database commit and the offset commit",
-		"event_id", r.EventID, "consumer_group", r.ConsumerGroup)
+// killHere is the e2e tests' crash, at a moment a hook chose: after a
+// database commit whose message is not acknowledged yet, or after an outbox
+// publish whose row is not acknowledged yet. A real SIGKILL, not an exit:
+// nothing gets to clean up.
+func killHere(d deps, why string, attrs ...any) {
+	d.log.Warn(why, attrs...)
 	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 	select {} // the signal is on its way
 }
@@ -144,8 +181,7 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 	}
 }
 
-// noCharger lets Validate check the currency without a payment client.
-type noCharger struct{ billing.Charger }
+var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	pool, err := s.DB.open(ctx, d, s.Migrate)
@@ -155,50 +191,45 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	defer pool.Close()
 	// Each group's database holds its claims and its tables: migrated, and
 	// kept by retention, one by one.
-	pools := map[string]*pgxpool.Pool{s.DB.DatabaseURL: pool}
-	groupDB := map[string]*pgxpool.Pool{}
-	for _, g := range s.Groups {
-		url, ok := s.GroupDatabases[g]
-		if !ok {
-			groupDB[g] = pool
-			continue
-		}
-		if pools[url] == nil {
-			own := dbSettings{DatabaseURL: url, MaxConns: s.DB.MaxConns}
-			p, err := own.open(ctx, d, s.Migrate)
-			if err != nil {
-				return fmt.Errorf("--group-database %s: %w", g, err)
-			}
-			defer p.Close()
-			pools[url] = p
-		}
-		groupDB[g] = pools[url]
+	pools, err := s.DB.groupPools(ctx, d, pool, s.GroupDatabases, s.Groups, s.Migrate)
+	if err != nil {
+		return err
 	}
+	defer pools.close()
 	if err := s.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
 
-	topic := pipeline.Topic[order.Confirmed]{Name: s.Kafka.Topic, DLQ: s.Kafka.DLQTopic, Decode: order.DecodeConfirmed}
+	t := &topics{
+		confirmed: pipeline.Topic[order.Confirmed]{Name: s.Kafka.confirmed(), DLQ: dlqOf(s.Kafka.confirmed()), Decode: order.DecodeConfirmed},
+		cancelled: pipeline.Topic[order.Cancelled]{Name: s.Kafka.cancelled(), DLQ: dlqOf(s.Kafka.cancelled()), Decode: order.DecodeCancelled},
+		payments:  pipeline.Topic[order.Payment]{Name: s.Kafka.payments(), DLQ: dlqOf(s.Kafka.payments()), Decode: order.DecodePayment},
+	}
 	for _, g := range s.Groups {
-		h, err := handlers[g](s)
-		if err != nil {
+		if err := handlers[g](groupDeps{s: s, name: g + s.GroupSuffix, db: pools.of[g]}, t); err != nil {
 			return err
 		}
-		policy := idempotency.RejectTooOld
-		if p, ok := s.TooOld[g]; ok {
-			policy = idempotency.TooOldPolicy(p)
-		}
-		topic.Groups = append(topic.Groups, pipeline.Group[order.Confirmed]{Name: g + s.GroupSuffix, Handle: h, DB: groupDB[g], TooOld: policy})
 		if g == "billing" {
 			s.warnAboutKeyRetention(d)
 		}
 	}
-	var commits atomic.Int64
+	var bindings []pipeline.Binding
+	if len(t.confirmed.Groups) > 0 {
+		bindings = append(bindings, t.confirmed)
+	}
+	if len(t.cancelled.Groups) > 0 {
+		bindings = append(bindings, t.cancelled)
+	}
+	if len(t.payments.Groups) > 0 {
+		bindings = append(bindings, t.payments)
+	}
+
+	var commits, forwards atomic.Int64
 	p, err := pipeline.New(pipeline.Config{
 		Brokers:        s.Kafka.Brokers,
 		KafkaVersion:   s.Kafka.KafkaVersion,
 		DB:             pool,
-		Topics:         []pipeline.Binding{topic},
+		Topics:         bindings,
 		MaxEventAge:    s.Retention.Retention - s.MaxClockSkew,
 		MaxClockSkew:   s.MaxClockSkew,
 		CommitMode:     pipeline.CommitMode(s.CommitMode),
@@ -207,13 +238,19 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		Logger:         d.log,
 		SessionTimeout: s.SessionTimeout,
 		OnResult: func(r idempotency.Result) {
-			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
+			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
 			if r.Outcome == idempotency.Processed && s.KillAfterCommit > 0 && commits.Add(1) == int64(s.KillAfterCommit) {
-				killBetweenCommitAndAck(d, r)
+				killHere(d, "e2e: killing this process between the database commit and the offset commit", "event_id", r.EventID, "consumer_group", r.ConsumerGroup)
 			}
 		},
 		OnDeadLetter: func(dl pipeline.DeadLetter) {
 			d.log.Warn("dead-lettered", "topic", dl.Topic, "consumer_group", dl.Group, "partition", dl.Partition, "offset", dl.Offset, "dlq", dl.DLQ, "reason", dl.Reason)
+		},
+		OnForwarded: func(f pipeline.Forwarded) {
+			d.log.Debug("forwarded", "topic", f.Topic, "event_id", f.ID)
+			if s.KillAfterForward > 0 && forwards.Add(1) == int64(s.KillAfterForward) {
+				killHere(d, "e2e: killing this process between the outbox publish and its acknowledgement", "event_id", f.ID, "topic", f.Topic)
+			}
 		},
 	})
 	if err != nil {
@@ -222,7 +259,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	// One pass per database before consuming, so today's partitions exist;
 	// no claim ever waits for one, but claims in the default partition are
 	// the slower path.
-	for _, db := range pools {
+	for _, db := range pools.all {
 		rcfg := s.Retention.config(d)
 		rcfg.DB = db
 		if _, err := retention.Run(ctx, rcfg); err != nil {
@@ -231,10 +268,21 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		if s.MaintenanceInterval > 0 {
 			go retention.Loop(ctx, rcfg, s.MaintenanceInterval)
 		}
+		box, err := outbox.New(outbox.Config{})
+		if err != nil {
+			return err
+		}
+		go every(ctx, 10*time.Minute, func() {
+			if n, err := box.Prune(ctx, db, s.OutboxRetention, 5000); err != nil {
+				d.log.Error("prune outbox", "err", err)
+			} else if n > 0 {
+				d.log.Info("pruned forwarded outbox rows", "rows", n)
+			}
+		})
 	}
 	go func() {
 		<-p.Running()
-		d.log.Info("serving", "topic", s.Kafka.Topic, "groups", s.Groups, "commit_mode", s.CommitMode)
+		d.log.Info("serving", "topics", []string{s.Kafka.confirmed(), s.Kafka.cancelled(), s.Kafka.payments()}, "groups", s.Groups, "commit_mode", s.CommitMode)
 	}()
 	if err := p.Run(ctx); err != nil {
 		return err

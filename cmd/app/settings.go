@@ -17,8 +17,10 @@ import (
 type kafkaSettings struct {
 	Brokers           []string `name:"kafka-brokers" env:"KAFKA_BROKERS" required:"" sep:"," help:"Kafka bootstrap addresses, host:port, comma-separated."`
 	KafkaVersion      string   `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version (sarama needs it; Kafka 4 refuses protocols older than 2.1)."`
-	Topic             string   `name:"topic" env:"ONCE_TOPIC" default:"order.confirmed.v1" help:"Topic of order.confirmed.v1 events."`
-	DLQTopic          string   `name:"dlq-topic" env:"ONCE_DLQ_TOPIC" default:"order.confirmed.v1.dlq" help:"Dead-letter topic."`
+	ConfirmedTopic    string   `name:"confirmed-topic" env:"ONCE_CONFIRMED_TOPIC" default:"order.confirmed.v1" help:"Topic of order.confirmed.v1 events."`
+	CancelledTopic    string   `name:"cancelled-topic" env:"ONCE_CANCELLED_TOPIC" default:"order.cancelled.v1" help:"Topic of order.cancelled.v1 events."`
+	PaymentTopic      string   `name:"payment-topic" env:"ONCE_PAYMENT_TOPIC" default:"payment.events.v1" help:"Topic of billing's payment events (payment.charged.v1, payment.failed.v1, payment.refunded.v1)."`
+	TopicSuffix       string   `name:"topic-suffix" env:"ONCE_TOPIC_SUFFIX" help:"Appended to every topic name (to run isolated copies side by side, as the e2e tests do). Each topic's dead-letter topic is its name + .dlq."`
 	Partitions        int32    `name:"partitions" env:"ONCE_PARTITIONS" default:"6" help:"Partitions of the topics when this service creates them."`
 	ReplicationFactor int16    `name:"replication-factor" env:"ONCE_REPLICATION_FACTOR" default:"1" help:"Replication factor of the topics when this service creates them."`
 
@@ -40,8 +42,15 @@ func (k *kafkaSettings) Validate() error {
 		return fmt.Errorf("--kafka-version (KAFKA_VERSION): %w", err)
 	}
 	k.version = v
-	if k.Topic == "" || k.DLQTopic == "" || k.Topic == k.DLQTopic {
-		return fmt.Errorf("--topic (ONCE_TOPIC) and --dlq-topic (ONCE_DLQ_TOPIC) must be set and differ")
+	names := map[string]string{}
+	for flag, name := range map[string]string{"--confirmed-topic": k.ConfirmedTopic, "--cancelled-topic": k.CancelledTopic, "--payment-topic": k.PaymentTopic} {
+		if name == "" {
+			return fmt.Errorf("%s must not be empty", flag)
+		}
+		if other, ok := names[name]; ok {
+			return fmt.Errorf("%s and %s name the same topic %q", flag, other, name)
+		}
+		names[name] = flag
 	}
 	if k.Partitions < 1 {
 		return fmt.Errorf("--partitions (ONCE_PARTITIONS) must be at least 1, got %d", k.Partitions)
@@ -52,8 +61,21 @@ func (k *kafkaSettings) Validate() error {
 	return nil
 }
 
+// confirmed, cancelled and payments are the topics' names, suffix included.
+func (k *kafkaSettings) confirmed() string { return k.ConfirmedTopic + k.TopicSuffix }
+func (k *kafkaSettings) cancelled() string { return k.CancelledTopic + k.TopicSuffix }
+func (k *kafkaSettings) payments() string  { return k.PaymentTopic + k.TopicSuffix }
+
+// dlqOf is a topic's dead-letter topic.
+func dlqOf(topic string) string { return topic + ".dlq" }
+
+// ensureTopics creates the three topics and their dead-letter topics.
 func (k *kafkaSettings) ensureTopics(ctx context.Context) error {
-	return pipeline.EnsureTopics(ctx, k.Brokers, k.version, k.Partitions, k.ReplicationFactor, k.Topic, k.DLQTopic)
+	var all []string
+	for _, t := range []string{k.confirmed(), k.cancelled(), k.payments()} {
+		all = append(all, t, dlqOf(t))
+	}
+	return pipeline.EnsureTopics(ctx, k.Brokers, k.version, k.Partitions, k.ReplicationFactor, all...)
 }
 
 type dbSettings struct {
@@ -117,4 +139,45 @@ func migrate(ctx context.Context, pool *pgxpool.Pool, d deps) error {
 	}
 	d.log.Info("migrations applied", "versions", applied)
 	return nil
+}
+
+// groupPools is every database the groups of a process use: the main one and
+// those of --group-database.
+type groupPools struct {
+	of  map[string]*pgxpool.Pool // by group name, without suffix
+	all []*pgxpool.Pool          // each database once
+	own []*pgxpool.Pool          // the ones opened here, to close
+}
+
+func (g groupPools) close() {
+	for _, p := range g.own {
+		p.Close()
+	}
+}
+
+// groupPools opens (and migrates, when asked) the database of every group
+// that has one of its own; the others use main.
+func (d *dbSettings) groupPools(ctx context.Context, dp deps, main *pgxpool.Pool, urls map[string]string, groups []string, migrateFirst bool) (groupPools, error) {
+	g := groupPools{of: map[string]*pgxpool.Pool{}, all: []*pgxpool.Pool{main}}
+	byURL := map[string]*pgxpool.Pool{d.DatabaseURL: main}
+	for _, name := range groups {
+		url, ok := urls[name]
+		if !ok {
+			g.of[name] = main
+			continue
+		}
+		if byURL[url] == nil {
+			own := dbSettings{DatabaseURL: url, MaxConns: d.MaxConns}
+			p, err := own.open(ctx, dp, migrateFirst)
+			if err != nil {
+				g.close()
+				return g, fmt.Errorf("--group-database %s: %w", name, err)
+			}
+			byURL[url] = p
+			g.own = append(g.own, p)
+			g.all = append(g.all, p)
+		}
+		g.of[name] = byURL[url]
+	}
+	return g, nil
 }

@@ -32,7 +32,7 @@ func revenue(t *testing.T, pool *pgxpool.Pool, customer int64, day string) (deci
 // is delivered; the day is the event's occurred_at in UTC.
 func TestAddsEachOrderToTheCustomersDayOnce(t *testing.T) {
 	pool := testenv.Postgres(t)
-	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.Handle})
+	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.OnConfirmed})
 	customer := 1 + rand.Int64N(1<<62)
 	day := time.Date(2026, 12, 2, 23, 59, 0, 0, time.UTC)
 	for i, amount := range []string{"10.10", "0.20"} {

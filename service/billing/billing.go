@@ -6,60 +6,102 @@ import (
 	"fmt"
 	"regexp"
 	"strconv"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
 )
 
-// Charger is the part of [payment.Client] billing needs.
-type Charger interface {
+// Provider is the part of [payment.Client] billing needs.
+type Provider interface {
 	Charge(ctx context.Context, req payment.ChargeRequest, idempotencyKey string) (payment.Charge, error)
+	Refund(ctx context.Context, req payment.RefundRequest, idempotencyKey string) (payment.Refund, error)
 }
 
-// lockOrderSQL serialises the events of one order, so that two different
-// events for the same order (a producer bug) cannot both pass the check below
-// and both charge.
-const lockOrderSQL = `SELECT pg_advisory_xact_lock(hashtextextended('billing.order:' || $1::bigint::text, 0))`
+// DB is where billing commits its charge intents, outside the claim's
+// transaction. *pgxpool.Pool implements it.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
 
-const existingPaymentSQL = `SELECT event_id, status FROM billing.payments WHERE order_id = $1`
-
-const recordPaymentSQL = `INSERT INTO billing.payments
-(event_id, order_id, customer_id, amount, currency, status, provider_charge_id, failure_reason)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`
-
-// Handler charges an order.confirmed.v1 event's total and records the
-// payment in the claim's transaction.
+// Handler charges confirmed orders and refunds cancelled ones, each once,
+// recording what happened in the claim's transaction and announcing it with a
+// payment event written to the outbox in that same transaction.
 type Handler struct {
-	Payments Charger
+	Payments Provider
 	// Currency of every charge: the guide's event carries none, the charging
 	// service knows its own. An ISO 4217 code such as "EUR".
 	Currency string
+	// DB is the database of the claims, for charge intents.
+	DB DB
+	// Outbox and Topic: where payment events go. Without an Outbox, none are
+	// published.
+	Outbox *outbox.Outbox
+	Topic  string
+	// Now is the clock of the events' occurred_at. Default time.Now.
+	Now func() time.Time
 }
 
 var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
-// Validate reports a missing Charger or a currency that is not an ISO 4217 code.
+// Validate reports every missing or impossible setting.
 func (h Handler) Validate() error {
 	var errs []error
 	if h.Payments == nil {
 		errs = append(errs, errors.New("billing: Handler.Payments is required"))
 	}
+	if h.DB == nil {
+		errs = append(errs, errors.New("billing: Handler.DB is required (charge intents)"))
+	}
 	if !currencyCode.MatchString(h.Currency) {
 		errs = append(errs, fmt.Errorf("billing: Handler.Currency %q is not an ISO 4217 code such as EUR", h.Currency))
+	}
+	if h.Outbox != nil && h.Topic == "" {
+		errs = append(errs, errors.New("billing: Handler.Topic is required with an Outbox"))
 	}
 	return errors.Join(errs...)
 }
 
-// Handle is a pipeline.HandlerFunc[order.Confirmed]. A charge that may succeed later (network
-// error, timeout, 5xx) returns a plain error and is retried with the same key;
-// a charge the provider refused for good is recorded as failed, committed,
-// and reported with [idempotency.RejectAfterCommit] so that the event is
+// lockOrderSQL serialises billing's work on one order across its topics: a
+// confirmation and a cancellation, or two events for one order (a producer
+// bug), never interleave.
+const lockOrderSQL = `SELECT pg_advisory_xact_lock(hashtextextended('billing.order:' || $1::bigint::text, 0))`
+
+const (
+	paymentOfOrderSQL = `SELECT event_id, customer_id, status, provider_charge_id, amount, currency FROM billing.payments WHERE order_id = $1`
+	recordPaymentSQL  = `INSERT INTO billing.payments
+(event_id, order_id, customer_id, amount, currency, status, provider_charge_id, failure_reason)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`
+	cancellationOfOrderSQL = `SELECT event_id FROM billing.cancellations WHERE order_id = $1`
+	recordCancellationSQL  = `INSERT INTO billing.cancellations (order_id, event_id, reason) VALUES ($1, $2, $3)
+ON CONFLICT (order_id) DO NOTHING`
+	// A charge intent is written and committed on its own before the
+	// provider is called; the first event of an order owns it.
+	claimIntentSQL = `INSERT INTO billing.charge_intents (order_id, event_id, idempotency_key) VALUES ($1, $2, $3)
+ON CONFLICT (order_id) DO NOTHING`
+	intentOfOrderSQL  = `SELECT event_id, idempotency_key FROM billing.charge_intents WHERE order_id = $1`
+	refundOfOrderSQL  = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
+	recordRefundSQL   = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency) VALUES ($1, $2, $3, $4, $5, $6)`
+)
+
+// OnConfirmed charges an order.confirmed.v1 event's total: a
+// pipeline.HandlerFunc[order.Confirmed].
+//
+// An order whose cancellation arrived first is never charged. A charge that
+// may succeed later (network error, timeout, 5xx, a rotated key) returns a
+// plain error: rolled back, held and tried again with the same key. A charge
+// the provider refused for good is recorded as failed, committed, and
+// reported with [idempotency.RejectAfterCommit], so the event is
 // dead-lettered with the reason.
-func (h Handler) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
 	if err := h.Validate(); err != nil {
 		return err // our configuration, not the event: never a reason to record it failed
 	}
@@ -68,7 +110,7 @@ func (h Handler) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) erro
 	}
 	var paidBy uuid.UUID
 	var status string
-	err := tx.QueryRow(ctx, existingPaymentSQL, ev.OrderID()).Scan(&paidBy, &status)
+	err := tx.QueryRow(ctx, `SELECT event_id, status FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&paidBy, &status)
 	switch {
 	case err == nil:
 		return idempotency.Permanent(fmt.Errorf("billing: order %d already has a %s payment from event %s; event %s not charged",
@@ -76,14 +118,27 @@ func (h Handler) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) erro
 	case !errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("billing: read payment of order %d: %w", ev.OrderID(), err)
 	}
+	var cancelledBy uuid.UUID
+	err = tx.QueryRow(ctx, cancellationOfOrderSQL, ev.OrderID()).Scan(&cancelledBy)
+	switch {
+	case err == nil:
+		// Cancelled before it was charged: never charge it. Not an error.
+		return h.record(ctx, tx, ev, "cancelled", nil, "cancelled by event "+cancelledBy.String()+" before it was charged")
+	case !errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("billing: read cancellation of order %d: %w", ev.OrderID(), err)
+	}
 
+	key, err := h.intend(ctx, ev)
+	if err != nil {
+		return err
+	}
 	// The request is built from the immutable event only, so a retry is
 	// byte-for-byte the request the provider stored under the key.
 	charge, err := h.Payments.Charge(ctx, payment.ChargeRequest{
 		OrderID:  strconv.FormatInt(ev.OrderID(), 10),
 		Amount:   ev.TotalAmount(),
 		Currency: h.Currency,
-	}, ev.EventID().String())
+	}, key)
 	if err != nil {
 		if !payment.IsPermanent(err) {
 			return fmt.Errorf("billing: charge order %d: %w", ev.OrderID(), err)
@@ -91,9 +146,54 @@ func (h Handler) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) erro
 		if err := h.record(ctx, tx, ev, "failed", nil, err.Error()); err != nil {
 			return err
 		}
+		failed, ferr := order.NewPaymentFailed(outbox.EventID(ev.EventID(), order.TypePaymentFailedV1), h.now(),
+			ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, err.Error())
+		if ferr != nil {
+			return ferr
+		}
+		if err := h.publish(ctx, tx, failed); err != nil {
+			return err
+		}
 		return idempotency.RejectAfterCommit(fmt.Errorf("billing: provider refused order %d: %w", ev.OrderID(), err))
 	}
-	return h.record(ctx, tx, ev, "charged", &charge.ID, "")
+	if err := h.record(ctx, tx, ev, "charged", &charge.ID, ""); err != nil {
+		return err
+	}
+	// occurred_at is the provider's time of the charge: a replayed answer
+	// carries the same, so the event has one byte form however often it is
+	// built.
+	at := charge.Created
+	if at.IsZero() {
+		at = h.now()
+	}
+	charged, err := order.NewPaymentCharged(outbox.EventID(ev.EventID(), order.TypePaymentChargedV1), at,
+		ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, charge.ID)
+	if err != nil {
+		return err
+	}
+	return h.publish(ctx, tx, charged)
+}
+
+// intend commits the charge intent of ev's order, in a transaction of its
+// own, and returns the idempotency key to charge with. The first event of an
+// order owns its intent, and with it the key: a later event for the same
+// order is refused, whether or not the first one's charge was recorded, so
+// that a charge whose answer was lost is never repeated under another key.
+func (h Handler) intend(ctx context.Context, ev order.Confirmed) (string, error) {
+	key := ev.EventID().String()
+	if _, err := h.DB.Exec(ctx, claimIntentSQL, ev.OrderID(), ev.EventID(), key); err != nil {
+		return "", fmt.Errorf("billing: record charge intent of order %d: %w", ev.OrderID(), err)
+	}
+	var owner uuid.UUID
+	var ownerKey string
+	if err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &ownerKey); err != nil {
+		return "", fmt.Errorf("billing: read charge intent of order %d: %w", ev.OrderID(), err)
+	}
+	if owner != ev.EventID() {
+		return "", idempotency.Permanent(fmt.Errorf("billing: order %d may already be charged by event %s (idempotency key %s); event %s not charged",
+			ev.OrderID(), owner, ownerKey, ev.EventID()))
+	}
+	return ownerKey, nil
 }
 
 func (h Handler) record(ctx context.Context, tx pgx.Tx, ev order.Confirmed, status string, chargeID *string, reason string) error {
@@ -106,4 +206,110 @@ func (h Handler) record(ctx context.Context, tx pgx.Tx, ev order.Confirmed, stat
 		return fmt.Errorf("billing: record %s payment of order %d: %w", status, ev.OrderID(), err)
 	}
 	return nil
+}
+
+// errChargeInFlight holds a cancellation while its order's charge may have
+// happened but is not recorded yet: the confirmation will be delivered again
+// and settle it, and then the cancellation refunds it.
+var errChargeInFlight = errors.New("billing: the order's charge is in flight; its cancellation waits until it is recorded")
+
+// OnCancelled refunds a cancelled order once, or makes sure it is never
+// charged: a pipeline.HandlerFunc[order.Cancelled].
+//
+// Kafka orders nothing across topics, so the cancellation may arrive
+// before, during or after the charge of its order:
+//   - charged: refunded in full with Idempotency-Key = the cancellation's
+//     event id, recorded, and payment.refunded.v1 published;
+//   - not charged and no charge started: the cancellation is recorded, and
+//     the confirmation, whenever it comes, is not charged;
+//   - a charge started (its intent committed) but not recorded: the charge
+//     may have happened at the provider; the cancellation is held until the
+//     confirmation settles it, then refunds;
+//   - declined, or already cancelled or refunded: nothing to do.
+func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled) error {
+	if err := h.Validate(); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, lockOrderSQL, ev.OrderID()); err != nil {
+		return fmt.Errorf("billing: lock order %d: %w", ev.OrderID(), err)
+	}
+	var p struct {
+		eventID    uuid.UUID
+		customerID int64
+		status     string
+		chargeID   *string
+		amount     decimal.Decimal
+		currency   string
+	}
+	err := tx.QueryRow(ctx, paymentOfOrderSQL, ev.OrderID()).Scan(&p.eventID, &p.customerID, &p.status, &p.chargeID, &p.amount, &p.currency)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		var owner uuid.UUID
+		var key string
+		err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &key)
+		switch {
+		case err == nil:
+			return fmt.Errorf("%w (order %d, charge by event %s under key %s)", errChargeInFlight, ev.OrderID(), owner, key)
+		case !errors.Is(err, pgx.ErrNoRows):
+			return fmt.Errorf("billing: read charge intent of order %d: %w", ev.OrderID(), err)
+		}
+		if _, err := tx.Exec(ctx, recordCancellationSQL, ev.OrderID(), ev.EventID(), ev.Reason()); err != nil {
+			return fmt.Errorf("billing: record cancellation of order %d: %w", ev.OrderID(), err)
+		}
+		return nil
+	case err != nil:
+		return fmt.Errorf("billing: read payment of order %d: %w", ev.OrderID(), err)
+	case p.status != "charged" || p.chargeID == nil:
+		return nil // declined or cancelled: nothing was taken
+	}
+	var refundedBy uuid.UUID
+	err = tx.QueryRow(ctx, refundOfOrderSQL, ev.OrderID()).Scan(&refundedBy)
+	switch {
+	case err == nil:
+		return nil // refunded by an earlier cancellation of the same order
+	case !errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("billing: read refund of order %d: %w", ev.OrderID(), err)
+	}
+
+	refund, err := h.Payments.Refund(ctx, payment.RefundRequest{ChargeID: *p.chargeID, Amount: p.amount}, ev.EventID().String())
+	if err != nil {
+		if payment.IsPermanent(err) {
+			// Our record says charged; the provider disagrees. A person must look.
+			return idempotency.Permanent(fmt.Errorf("billing: provider refused the refund of order %d (charge %s): %w", ev.OrderID(), *p.chargeID, err))
+		}
+		return fmt.Errorf("billing: refund order %d: %w", ev.OrderID(), err)
+	}
+	if _, err := tx.Exec(ctx, recordRefundSQL, ev.EventID(), ev.OrderID(), *p.chargeID, refund.ID, p.amount, p.currency); err != nil {
+		return fmt.Errorf("billing: record refund of order %d: %w", ev.OrderID(), err)
+	}
+	at := refund.Created
+	if at.IsZero() {
+		at = h.now()
+	}
+	refunded, err := order.NewPaymentRefunded(outbox.EventID(ev.EventID(), order.TypePaymentRefundedV1), at,
+		ev.OrderID(), p.customerID, p.amount, p.currency, refund.ID)
+	if err != nil {
+		return err
+	}
+	return h.publish(ctx, tx, refunded)
+}
+
+// publish writes a payment event into the claim's transaction: it reaches
+// Kafka if and only if the transaction commits.
+func (h Handler) publish(ctx context.Context, tx pgx.Tx, ev order.Payment) error {
+	if h.Outbox == nil {
+		return nil
+	}
+	b, err := ev.MarshalJSON()
+	if err != nil {
+		return err
+	}
+	return h.Outbox.Publish(ctx, tx, outbox.Message{Topic: h.Topic, Key: strconv.FormatInt(ev.OrderID(), 10), ID: ev.EventID().String(), Payload: b})
+}
+
+func (h Handler) now() time.Time {
+	if h.Now != nil {
+		return h.Now()
+	}
+	return time.Now()
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,18 +16,24 @@ import (
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/oncetest"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/service/billing"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
 )
 
 // fixture is billing behind the real idempotency middleware (package
-// oncetest): each delivery commits or rolls back as in production.
+// oncetest), against the provider simulator over real HTTP: each delivery
+// commits or rolls back as in production.
 type fixture struct {
-	pool    *pgxpool.Pool
-	client  *payment.Client
-	harness *oncetest.Harness[order.Confirmed]
+	pool      *pgxpool.Pool
+	client    *payment.Client
+	handler   billing.Handler
+	confirmed *oncetest.Harness[order.Confirmed]
+	cancelled *oncetest.Harness[order.Cancelled]
 }
+
+const paymentTopic = "payment.events.v1.billing-test"
 
 func setup(t *testing.T) *fixture {
 	t.Helper()
@@ -37,19 +44,32 @@ func setup(t *testing.T) *fixture {
 	}
 	srv := httptest.NewServer(p)
 	t.Cleanup(srv.Close)
-	c, err := payment.NewClient(payment.ClientConfig{BaseURL: srv.URL, APIKey: "acct_" + uuid.NewString()[:8]})
+	c, err := payment.NewClient(payment.ClientConfig{BaseURL: srv.URL, APIKey: "acct_" + uuid.NewString()[:8], InitialBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := billing.Handler{Payments: c, Currency: "EUR"}
-	return &fixture{pool: pool, client: c, harness: oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: h.Handle})}
+	// An outbox table of the tests' own: nothing forwards it, and a
+	// forwarder elsewhere must never meet rows for a topic that does not exist.
+	box, err := outbox.New(outbox.Config{Table: "billing_test_outbox"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := box.Init(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	h := billing.Handler{Payments: c, Currency: "EUR", DB: pool, Outbox: box, Topic: paymentTopic}
+	group := "billing-" + uuid.NewString()[:8]
+	return &fixture{pool: pool, client: c, handler: h,
+		confirmed: oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: h.OnConfirmed}),
+		cancelled: oncetest.New(t, oncetest.Config[order.Cancelled]{DB: pool, Group: group, Handle: h.OnCancelled}),
+	}
 }
 
 // newOrderID is unique across test runs on one database: billing keeps one
 // payment per order.
 func newOrderID() int64 { return 1 + rand.Int64N(1<<62) }
 
-func event(t *testing.T, orderID int64, amount string) order.Confirmed {
+func confirmed(t *testing.T, orderID int64, amount string) order.Confirmed {
 	t.Helper()
 	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), orderID, 7, decimal.RequireFromString(amount))
 	if err != nil {
@@ -58,9 +78,18 @@ func event(t *testing.T, orderID int64, amount string) order.Confirmed {
 	return ev
 }
 
-func storedPayment(t *testing.T, pool *pgxpool.Pool, orderID int64) (status string, chargeID, reason *string, currency string) {
+func cancelled(t *testing.T, orderID int64) order.Cancelled {
 	t.Helper()
-	err := pool.QueryRow(context.Background(), `SELECT status, provider_charge_id, failure_reason, currency FROM billing.payments WHERE order_id = $1`, orderID).
+	ev, err := order.NewCancelled(uuid.Must(uuid.NewV7()), time.Now(), orderID, "customer asked")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ev
+}
+
+func (f *fixture) payment(t *testing.T, orderID int64) (status string, chargeID, reason *string, currency string) {
+	t.Helper()
+	err := f.pool.QueryRow(context.Background(), `SELECT status, provider_charge_id, failure_reason, currency FROM billing.payments WHERE order_id = $1`, orderID).
 		Scan(&status, &chargeID, &reason, &currency)
 	if err != nil {
 		t.Fatal(err)
@@ -68,59 +97,105 @@ func storedPayment(t *testing.T, pool *pgxpool.Pool, orderID int64) (status stri
 	return
 }
 
-func payments(t *testing.T, pool *pgxpool.Pool, orderID int64) int {
+func (f *fixture) count(t *testing.T, query string, args ...any) int {
 	t.Helper()
 	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM billing.payments WHERE order_id = $1`, orderID).Scan(&n); err != nil {
+	if err := f.pool.QueryRow(context.Background(), query, args...).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n
 }
 
-func TestChargesOnceAndRecordsThePayment(t *testing.T) {
-	f := setup(t)
-	ev := event(t, newOrderID(), "99.95")
-	f.harness.DeliverTwice(ev)
-	status, chargeID, _, currency := storedPayment(t, f.pool, ev.OrderID())
+// published counts the committed outbox rows of one outgoing event.
+func (f *fixture) published(t *testing.T, id uuid.UUID) int {
+	return f.count(t, `SELECT count(*) FROM public.billing_test_outbox WHERE payload->>'uuid' = $1`, id.String())
+}
+
+func (f *fixture) ledger(t *testing.T) payment.Ledger {
+	t.Helper()
 	l, err := f.client.Ledger(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
+	return l
+}
+
+// One charge, one payment row, one payment.charged.v1 in the outbox, across
+// an attempt that rolled back after charging and a redelivery.
+func TestChargesOnceRecordsAndAnnouncesThePayment(t *testing.T) {
+	f := setup(t)
+	ev := confirmed(t, newOrderID(), "99.95")
+	f.confirmed.DeliverTwice(ev)
+	status, chargeID, _, currency := f.payment(t, ev.OrderID())
+	l := f.ledger(t)
 	if status != "charged" || chargeID == nil || currency != "EUR" || l.Count != 1 || l.Charges[0].ChargeID != *chargeID ||
 		l.Charges[0].IdempotencyKey != ev.EventID().String() || l.Charges[0].Currency != "EUR" || l.Charges[0].Amount != "99.95" {
 		t.Fatalf("payment %s %v %s, ledger %+v; want one EUR charge keyed by the event id and recorded", status, chargeID, currency, l)
 	}
+	derived := outbox.EventID(ev.EventID(), order.TypePaymentChargedV1)
+	if n := f.published(t, derived); n != 1 {
+		t.Fatalf("payment.charged.v1 %s is %d times in the outbox, want once", derived, n)
+	}
 }
 
-// A decline is committed as a failed payment with the claim, and the
-// delivery is dead-lettered with the provider's reason; a redelivery changes
-// nothing.
-func TestDeclineIsRecordedAsFailedAndDeadLettered(t *testing.T) {
+// A decline is committed as a failed payment with the claim, announced as
+// payment.failed.v1, and the delivery is dead-lettered with the provider's
+// reason; a redelivery changes nothing.
+func TestDeclineIsRecordedAnnouncedAndDeadLettered(t *testing.T) {
 	f := setup(t)
-	ev := event(t, newOrderID(), "500.01")
-	first, _ := f.harness.DeliverTwice(ev)
+	ev := confirmed(t, newOrderID(), "500.01")
+	first, _ := f.confirmed.DeliverTwice(ev)
 	var perr *payment.Error
 	var rejected *idempotency.RejectedError
-	if !first.DeadLettered() || !errors.As(first.Err, &rejected) || !errors.As(first.Err, &perr) || perr.Code != "card_declined" {
+	if !first.DeadLettered() || !errors.As(first.Err, &rejected) || !errors.As(first.Err, &perr) || perr.Code != payment.CodeCardDeclined {
 		t.Fatalf("got %v; want a rejection carrying the provider's card_declined", first.Err)
 	}
-	status, _, reason, _ := storedPayment(t, f.pool, ev.OrderID())
-	if status != "failed" || reason == nil || !f.harness.Claimed(ev) {
+	status, _, reason, _ := f.payment(t, ev.OrderID())
+	if status != "failed" || reason == nil || !f.confirmed.Claimed(ev) {
 		t.Fatalf("payment %s (%v); want failed with the reason, committed with the claim", status, reason)
+	}
+	if n := f.published(t, outbox.EventID(ev.EventID(), order.TypePaymentFailedV1)); n != 1 {
+		t.Fatalf("payment.failed.v1 is %d times in the outbox, want once", n)
 	}
 }
 
 func TestSecondEventForAChargedOrderIsRefusedWithoutCharging(t *testing.T) {
 	f := setup(t)
 	orderID := newOrderID()
-	f.harness.DeliverTwice(event(t, orderID, "10.00"))
-	second := event(t, orderID, "10.00")
-	d := f.harness.Deliver(second)
-	if !d.DeadLettered() || f.harness.Claimed(second) {
+	f.confirmed.DeliverTwice(confirmed(t, orderID, "10.00"))
+	second := confirmed(t, orderID, "10.00")
+	d := f.confirmed.Deliver(second)
+	if !d.DeadLettered() || f.confirmed.Claimed(second) {
 		t.Fatalf("got %v; want a permanent refusal that leaves no claim", d.Err)
 	}
-	if l, _ := f.client.Ledger(context.Background()); l.Count != 1 || payments(t, f.pool, orderID) != 1 {
+	if l := f.ledger(t); l.Count != 1 || f.count(t, `SELECT count(*) FROM billing.payments WHERE order_id = $1`, orderID) != 1 {
 		t.Fatalf("ledger has %d charges, want 1", l.Count)
+	}
+}
+
+// Event 1 is charged, but its answer is lost and its transaction rolls back;
+// event 2 for the same order must not charge under a key of its own. The
+// charge intent, committed before the call, refuses it; event 1, delivered
+// again, is answered from the provider's record and recorded once.
+func TestAChargeWhoseAnswerWasLostBlocksAnotherEventForTheOrder(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	first, second := confirmed(t, orderID, "42.00"), confirmed(t, orderID, "42.00")
+	if d := f.confirmed.DeliverRolledBack(first); !d.HandlerRan || f.ledger(t).Count != 1 {
+		t.Fatalf("the first attempt did not charge: %v", d.Err)
+	}
+	d := f.confirmed.Deliver(second)
+	if !d.DeadLettered() || f.ledger(t).Count != 1 {
+		t.Fatalf("second event: %v, %d charges; want a permanent refusal and still one charge", d.Err, f.ledger(t).Count)
+	}
+	if d := f.confirmed.Deliver(first); d.Err != nil {
+		t.Fatalf("first event again: %v", d.Err)
+	}
+	if l := f.ledger(t); l.Count != 1 {
+		t.Fatalf("%d charges, want 1", l.Count)
+	}
+	if status, _, _, _ := f.payment(t, orderID); status != "charged" {
+		t.Fatalf("payment %s, want charged", status)
 	}
 }
 
@@ -140,10 +215,12 @@ func TestUnreachableProviderRollsBackAndTheNextDeliveryCharges(t *testing.T) {
 		t.Fatal(err)
 	}
 	group := "billing-" + uuid.NewString()[:8]
-	ev := event(t, newOrderID(), "12.00")
-	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: billing.Handler{Payments: down, Currency: "EUR"}.Handle})
+	ev := confirmed(t, newOrderID(), "12.00")
+	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: billing.Handler{Payments: down, Currency: "EUR", DB: pool}.OnConfirmed})
 	d := h.Deliver(ev)
-	if d.Err == nil || d.DeadLettered() || h.Claimed(ev) || payments(t, pool, ev.OrderID()) != 0 {
+	var n int
+	_ = pool.QueryRow(context.Background(), `SELECT count(*) FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&n)
+	if d.Err == nil || d.DeadLettered() || h.Claimed(ev) || n != 0 {
 		t.Fatalf("got %v (dead-lettered %v); want a retryable error with nothing committed", d.Err, d.DeadLettered())
 	}
 
@@ -153,17 +230,103 @@ func TestUnreachableProviderRollsBackAndTheNextDeliveryCharges(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h = oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: billing.Handler{Payments: up, Currency: "EUR"}.Handle})
+	h = oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: billing.Handler{Payments: up, Currency: "EUR", DB: pool}.OnConfirmed})
 	h.DeliverTwice(ev)
-	if status, _, _, _ := storedPayment(t, pool, ev.OrderID()); status != "charged" {
-		t.Fatalf("payment %s after the provider came back, want charged", status)
+	var status string
+	if err := pool.QueryRow(context.Background(), `SELECT status FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&status); err != nil || status != "charged" {
+		t.Fatalf("payment %s (%v) after the provider came back, want charged", status, err)
 	}
 }
 
-func TestCurrencyIsValidated(t *testing.T) {
+// A cancellation after the charge refunds it once, with the cancellation's
+// event id as the key, and announces payment.refunded.v1 once.
+func TestCancellationAfterTheChargeRefundsOnce(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	f.confirmed.DeliverTwice(confirmed(t, orderID, "30.10"))
+	cancel := cancelled(t, orderID)
+	f.cancelled.DeliverTwice(cancel)
+	l := f.ledger(t)
+	if l.RefundCount != 1 || l.Refunds[0].Amount != "30.10" || l.Refunds[0].IdempotencyKey != cancel.EventID().String() || l.RefundTotals["EUR"] != "30.10" {
+		t.Fatalf("ledger refunds %+v; want one full refund keyed by the cancellation", l.Refunds)
+	}
+	if f.count(t, `SELECT count(*) FROM billing.refunds WHERE order_id = $1`, orderID) != 1 {
+		t.Fatal("billing did not record the refund once")
+	}
+	if n := f.published(t, outbox.EventID(cancel.EventID(), order.TypePaymentRefundedV1)); n != 1 {
+		t.Fatalf("payment.refunded.v1 is %d times in the outbox, want once", n)
+	}
+	// Another cancellation of the same order (a producer re-publishing under
+	// a new id) refunds nothing more.
+	f.cancelled.DeliverTwice(cancelled(t, orderID))
+	if l := f.ledger(t); l.RefundCount != 1 {
+		t.Fatalf("%d refunds after a second cancellation, want 1", l.RefundCount)
+	}
+}
+
+// A cancellation that arrives before its confirmation blocks the charge:
+// the confirmation is recorded as cancelled and the provider never called.
+func TestCancellationBeforeTheChargeBlocksIt(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	f.cancelled.DeliverTwice(cancelled(t, orderID))
+	f.confirmed.DeliverTwice(confirmed(t, orderID, "15.00"))
+	if status, _, _, _ := f.payment(t, orderID); status != "cancelled" {
+		t.Fatalf("payment %s, want cancelled", status)
+	}
+	if l := f.ledger(t); l.Count != 0 || l.RefundCount != 0 {
+		t.Fatalf("ledger %d charges, %d refunds; want none", l.Count, l.RefundCount)
+	}
+}
+
+// A cancellation that arrives while the charge is in flight (its intent
+// committed, its outcome not yet recorded) is held, not recorded, until the
+// confirmation settles the charge; then it refunds it.
+func TestCancellationDuringTheChargeWaitsAndThenRefunds(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	charge := confirmed(t, orderID, "60.00")
+	f.confirmed.DeliverRolledBack(charge) // charged at the provider, not recorded
+	cancel := cancelled(t, orderID)
+	d := f.cancelled.Deliver(cancel)
+	if d.Err == nil || d.DeadLettered() || f.cancelled.Claimed(cancel) {
+		t.Fatalf("cancellation during the charge: %v; want it held (not permanent, nothing committed)", d.Err)
+	}
+	if f.count(t, `SELECT count(*) FROM billing.cancellations WHERE order_id = $1`, orderID) != 0 {
+		t.Fatal("the cancellation was recorded while the charge was in flight: it would have blocked nothing")
+	}
+	f.confirmed.DeliverTwice(charge)
+	f.cancelled.DeliverTwice(cancel)
+	l := f.ledger(t)
+	if l.Count != 1 || l.RefundCount != 1 || l.Refunds[0].Amount != "60.00" {
+		t.Fatalf("ledger %d charges, %d refunds; want the charge refunded once", l.Count, l.RefundCount)
+	}
+}
+
+// A declined order has nothing to refund.
+func TestCancellationOfADeclinedOrderRefundsNothing(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	f.confirmed.DeliverTwice(confirmed(t, orderID, "900.00"))
+	f.cancelled.DeliverTwice(cancelled(t, orderID))
+	if l := f.ledger(t); l.Count != 0 || l.RefundCount != 0 {
+		t.Fatalf("ledger %d charges, %d refunds; want none", l.Count, l.RefundCount)
+	}
+}
+
+func TestSettingsAreValidated(t *testing.T) {
 	for _, c := range []string{"", "eur", "EURO"} {
-		if err := (billing.Handler{Payments: &payment.Client{}, Currency: c}).Validate(); err == nil {
+		if err := (billing.Handler{Payments: &payment.Client{}, Currency: c, DB: &pgxpool.Pool{}}).Validate(); err == nil {
 			t.Errorf("currency %q accepted", c)
 		}
 	}
+	box, _ := outbox.New(outbox.Config{Table: "billing_test_outbox"})
+	err := billing.Handler{Outbox: box}.Validate()
+	for _, want := range []string{"Payments", "DB", "Currency", "Topic"} {
+		if err == nil || !contains(err.Error(), want) {
+			t.Errorf("missing settings: %v; want %s named", err, want)
+		}
+	}
 }
+
+func contains(s, sub string) bool { return sub != "" && strings.Contains(s, sub) }

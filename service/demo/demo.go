@@ -28,6 +28,7 @@ import (
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/analytics"
 	"github.com/once-dev/once/service/billing"
@@ -53,6 +54,7 @@ type Config struct {
 	DeclineShare   float64 // share of orders above the provider's decline limit, default 0.005
 	PoisonMessages int     // malformed messages injected, default 24
 	ResetRate      float64 // provider drops the connection after charging, default 0.02
+	CancelShare    float64 // share of orders cancelled, half at once, half after the charge; default 0.04
 	Timeout        time.Duration
 
 	Progress io.Writer // a live status line; nil for none
@@ -78,6 +80,9 @@ func (c *Config) setDefaults() {
 	if c.ResetRate == 0 {
 		c.ResetRate = 0.02
 	}
+	if c.CancelShare == 0 {
+		c.CancelShare = 0.04
+	}
 	if c.Partitions == 0 {
 		c.Partitions = 6
 	}
@@ -100,21 +105,26 @@ var declineAbove = decimal.NewFromInt(10000)
 
 // run holds one demo run's state.
 type run struct {
-	cfg      Config
-	id       string
-	topic    string
-	dlqTopic string
-	groups   [2]string // billing, analytics
-	version  sarama.KafkaVersion
-	progress *progress.Line
-	client   *payment.Client
-	provider *payment.Provider
-	counts   *counters
+	cfg       Config
+	id        string
+	confirmed string // topics; each has a dead-letter topic, name + ".dlq"
+	cancelled string
+	payments  string
+	billing   string // consumer groups
+	analytics string
+	version   sarama.KafkaVersion
+	progress  *progress.Line
+	client    *payment.Client
+	provider  *payment.Provider
+	counts    *counters
 
 	mu        sync.Mutex
 	events    []order.Confirmed
+	cancels   []order.Cancelled
 	customers []int64
 }
+
+func dlqOf(topic string) string { return topic + ".dlq" }
 
 // Run executes the demo and returns its summary. An error means the demo
 // could not run; a run that ran but found a double or a loss returns a
@@ -132,15 +142,18 @@ func Run(ctx context.Context, cfg Config) (Summary, error) {
 	defer cancel()
 
 	id := uuid.NewString()[:8]
+	suffix := ".demo-" + id
 	r := &run{
-		cfg:      cfg,
-		id:       id,
-		topic:    "order.confirmed.v1.demo-" + id,
-		dlqTopic: "order.confirmed.v1.demo-" + id + ".dlq",
-		groups:   [2]string{"billing.demo-" + id, "analytics.demo-" + id},
-		version:  version,
-		progress: progress.New(cfg.Progress),
-		counts:   newCounters(),
+		cfg:       cfg,
+		id:        id,
+		confirmed: "order.confirmed.v1" + suffix,
+		cancelled: "order.cancelled.v1" + suffix,
+		payments:  "payment.events.v1" + suffix,
+		billing:   "billing" + suffix,
+		analytics: "analytics" + suffix,
+		version:   version,
+		progress:  progress.New(cfg.Progress),
+		counts:    newCounters(),
 	}
 	// Customers of this run only: analytics' totals are per customer.
 	first := (1 + rand.Int64N(1<<40)) * 1000
@@ -151,9 +164,15 @@ func Run(ctx context.Context, cfg Config) (Summary, error) {
 	return r.execute(ctx)
 }
 
+func (r *run) topics() []string { return []string{r.confirmed, r.cancelled, r.payments} }
+
 func (r *run) execute(ctx context.Context) (Summary, error) {
 	start := time.Now()
-	if err := pipeline.EnsureTopics(ctx, r.cfg.Brokers, r.version, r.cfg.Partitions, 1, r.topic, r.dlqTopic); err != nil {
+	var all []string
+	for _, t := range r.topics() {
+		all = append(all, t, dlqOf(t))
+	}
+	if err := pipeline.EnsureTopics(ctx, r.cfg.Brokers, r.version, r.cfg.Partitions, 1, all...); err != nil {
 		return Summary{}, err
 	}
 
@@ -166,12 +185,12 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 
 	// Both consumer groups, each in a pipeline of its own so that one can be
 	// stopped and reset while the other keeps running.
-	stopBilling, err := r.startGroup(ctx, r.groups[0], billing.Handler{Payments: r.client, Currency: Currency}.Handle)
+	stopBilling, err := r.startBilling(ctx)
 	if err != nil {
 		return Summary{}, err
 	}
 	defer stopBilling()
-	stopAnalytics, err := r.startGroup(ctx, r.groups[1], analytics.Handler{}.Handle)
+	stopAnalytics, err := r.startAnalytics(ctx)
 	if err != nil {
 		return Summary{}, err
 	}
@@ -190,10 +209,17 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 	}
 	defer raw.Close()
 
+	// Orders, some cancelled at once (most of them before billing charged
+	// them: the cancellation must block the charge, or, when it lost the
+	// race, refund it).
 	if err := r.confirmOrders(ctx, svc, raw); err != nil {
 		return Summary{}, err
 	}
 	if err := r.waitProcessed(ctx, "consuming"); err != nil {
+		return Summary{}, err
+	}
+	// More cancellations, now certainly after the charge: refunds.
+	if err := r.cancelOrders(ctx, svc, r.cfg.CancelShare/2, "cancelling charged orders"); err != nil {
 		return Summary{}, err
 	}
 
@@ -202,25 +228,34 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 	if err != nil {
 		return Summary{}, err
 	}
-	// Source 2: the dead-letter topic is replayed (declined charges, poison).
-	r.progress.Set("replaying the dead-letter topic")
-	replay, err := dlq.Replay(ctx, dlq.Config{Brokers: r.cfg.Brokers, Sarama: pipeline.PublisherSaramaConfig(r.version),
-		DLQTopic: r.dlqTopic, Topic: r.topic, Group: "dlq-replay.demo-" + r.id})
-	if err != nil {
+	if err := r.waitLagZero(ctx, "draining"); err != nil {
 		return Summary{}, err
+	}
+	// Source 2: the dead-letter topics are replayed (declined charges, poison).
+	r.progress.Set("replaying the dead-letter topics")
+	replay := dlq.Report{ByTopic: map[string]int64{}}
+	for _, t := range r.topics() {
+		rep, err := dlq.Replay(ctx, dlq.Config{Brokers: r.cfg.Brokers, Sarama: pipeline.PublisherSaramaConfig(r.version),
+			DLQTopic: dlqOf(t), Topic: t, Group: "dlq-replay.demo-" + r.id})
+		if err != nil {
+			return Summary{}, err
+		}
+		replay.Replayed += rep.Replayed
 	}
 	// Source 3: analytics' offsets are reset to the earliest and it restarts.
-	r.progress.Set("stopping %s", r.groups[1])
+	r.progress.Set("stopping %s", r.analytics)
 	stopAnalytics()
-	r.progress.Set("resetting %s to the earliest offsets", r.groups[1])
-	if err := r.resetToEarliest(r.groups[1]); err != nil {
+	r.progress.Set("resetting %s to the earliest offsets", r.analytics)
+	for _, t := range []string{r.confirmed, r.payments} {
+		if err := r.resetToEarliest(r.analytics, t); err != nil {
+			return Summary{}, err
+		}
+	}
+	r.progress.Set("restarting %s", r.analytics)
+	if stopAnalytics, err = r.startAnalytics(ctx); err != nil {
 		return Summary{}, err
 	}
-	r.progress.Set("restarting %s", r.groups[1])
-	if stopAnalytics, err = r.startGroup(ctx, r.groups[1], analytics.Handler{}.Handle); err != nil {
-		return Summary{}, err
-	}
-	if err := r.waitLagZero(ctx); err != nil {
+	if err := r.waitLagZero(ctx, "draining (analytics re-reads from the earliest offset)"); err != nil {
 		return Summary{}, err
 	}
 	r.progress.Done()
@@ -247,19 +282,41 @@ func (r *run) startProvider(ctx context.Context) (stop func(), err error) {
 	return func() { _ = srv.Shutdown(context.WithoutCancel(ctx)) }, nil
 }
 
-func (r *run) startGroup(ctx context.Context, group string, handle pipeline.HandlerFunc[order.Confirmed]) (stop func(), err error) {
+func (r *run) startBilling(ctx context.Context) (stop func(), err error) {
+	box, err := outbox.New(outbox.Config{Logger: r.cfg.Logger})
+	if err != nil {
+		return nil, err
+	}
+	h := billing.Handler{Payments: r.client, Currency: Currency, DB: r.cfg.DB, Outbox: box, Topic: r.payments}
+	return r.startPipeline(ctx,
+		pipeline.Topic[order.Confirmed]{Name: r.confirmed, DLQ: dlqOf(r.confirmed), Decode: order.DecodeConfirmed,
+			Groups: []pipeline.Group[order.Confirmed]{{Name: r.billing, Handle: h.OnConfirmed}}},
+		pipeline.Topic[order.Cancelled]{Name: r.cancelled, DLQ: dlqOf(r.cancelled), Decode: order.DecodeCancelled,
+			Groups: []pipeline.Group[order.Cancelled]{{Name: r.billing, Handle: h.OnCancelled}}},
+	)
+}
+
+func (r *run) startAnalytics(ctx context.Context) (stop func(), err error) {
+	h := analytics.Handler{}
+	return r.startPipeline(ctx,
+		pipeline.Topic[order.Confirmed]{Name: r.confirmed, DLQ: dlqOf(r.confirmed), Decode: order.DecodeConfirmed,
+			Groups: []pipeline.Group[order.Confirmed]{{Name: r.analytics, Handle: h.OnConfirmed}}},
+		pipeline.Topic[order.Payment]{Name: r.payments, DLQ: dlqOf(r.payments), Decode: order.DecodePayment,
+			Groups: []pipeline.Group[order.Payment]{{Name: r.analytics, Handle: h.OnPayment}}},
+	)
+}
+
+func (r *run) startPipeline(ctx context.Context, topics ...pipeline.Binding) (stop func(), err error) {
 	p, err := pipeline.New(pipeline.Config{
 		Brokers:      r.cfg.Brokers,
 		KafkaVersion: r.cfg.KafkaVersion,
 		DB:           r.cfg.DB,
-		Topics: []pipeline.Binding{pipeline.Topic[order.Confirmed]{
-			Name: r.topic, DLQ: r.dlqTopic, Decode: order.DecodeConfirmed,
-			Groups: []pipeline.Group[order.Confirmed]{{Name: group, Handle: handle}},
-		}},
+		Topics:       topics,
 		Logger:       r.cfg.Logger,
 		OnResult:     r.counts.result,
-		OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, "dead_lettered") },
-		OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, "delivered") },
+		OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, d.Topic, "dead_lettered") },
+		OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, d.Topic, "delivered") },
+		OnForwarded:  func(f pipeline.Forwarded) { r.counts.add("", f.Topic, "forwarded") },
 	})
 	if err != nil {
 		return nil, err
@@ -268,7 +325,7 @@ func (r *run) startGroup(ctx context.Context, group string, handle pipeline.Hand
 	done := make(chan struct{})
 	go func() {
 		if err := p.Run(ctx); err != nil {
-			r.cfg.Logger.Error("pipeline stopped", "group", group, "err", err)
+			r.cfg.Logger.Error("pipeline stopped", "err", err)
 		}
 		close(done)
 	}()
@@ -276,38 +333,39 @@ func (r *run) startGroup(ctx context.Context, group string, handle pipeline.Hand
 	case <-p.Running():
 	case <-done:
 		cancel()
-		return nil, fmt.Errorf("demo: group %s stopped at start-up", group)
+		return nil, errors.New("demo: a pipeline stopped at start-up")
 	}
 	var once sync.Once
 	return func() { once.Do(func() { cancel(); <-done }) }, nil
 }
 
 func (r *run) startOrders(ctx context.Context) (*orders.Service, func(), error) {
-	svc, err := orders.NewService(orders.Config{DB: r.cfg.DB, Topic: r.topic, Logger: r.cfg.Logger})
+	svc, err := orders.NewService(orders.Config{DB: r.cfg.DB, Topic: r.confirmed, CancelledTopic: r.cancelled, Logger: r.cfg.Logger})
 	if err != nil {
 		return nil, nil, err
 	}
 	if err := svc.Init(ctx); err != nil {
 		return nil, nil, err
 	}
-	pub, err := orders.NewKafkaPublisher(r.cfg.Brokers, pipeline.PublisherSaramaConfig(r.version), nil)
+	producer, err := sarama.NewSyncProducer(r.cfg.Brokers, pipeline.PublisherSaramaConfig(r.version))
 	if err != nil {
 		return nil, nil, err
 	}
-	fw, err := svc.NewForwarder(pub)
+	fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: producer})
 	if err != nil {
-		pub.Close()
+		producer.Close()
 		return nil, nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { _ = fw.Run(ctx); close(done) }()
 	<-fw.Running()
-	return svc, func() { cancel(); <-done; pub.Close() }, nil
+	return svc, func() { cancel(); <-done; producer.Close() }, nil
 }
 
-// confirmOrders confirms the orders with several workers and injects the
-// poison messages along the way, so they sit in the middle of partitions.
+// confirmOrders confirms the orders with several workers, cancels a share
+// of them right after their confirmation, and injects the poison messages
+// along the way, so they sit in the middle of partitions.
 func (r *run) confirmOrders(ctx context.Context, svc *orders.Service, raw sarama.SyncProducer) error {
 	var next atomic.Int64
 	poisonEvery := int64(r.cfg.Orders / (r.cfg.PoisonMessages + 1))
@@ -333,6 +391,12 @@ func (r *run) confirmOrders(ctx context.Context, svc *orders.Service, raw sarama
 				r.mu.Lock()
 				r.events = append(r.events, ev)
 				r.mu.Unlock()
+				if rand.Float64() < r.cfg.CancelShare/2 {
+					if err := r.cancel(ctx, svc, ev.OrderID(), "changed my mind"); err != nil {
+						errc <- err
+						return
+					}
+				}
 				if poisonEvery > 0 && i%poisonEvery == 0 && i/poisonEvery <= int64(r.cfg.PoisonMessages) {
 					if err := r.sendPoison(raw, int(i/poisonEvery)); err != nil {
 						errc <- err
@@ -346,6 +410,40 @@ func (r *run) confirmOrders(ctx context.Context, svc *orders.Service, raw sarama
 	wg.Wait()
 	close(errc)
 	return <-errc
+}
+
+func (r *run) cancel(ctx context.Context, svc *orders.Service, orderID int64, reason string) error {
+	ev, err := svc.Cancel(ctx, orderID, reason)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.cancels = append(r.cancels, ev)
+	r.mu.Unlock()
+	return nil
+}
+
+// cancelOrders cancels a share of the orders not cancelled yet.
+func (r *run) cancelOrders(ctx context.Context, svc *orders.Service, share float64, what string) error {
+	r.mu.Lock()
+	done := map[int64]bool{}
+	for _, c := range r.cancels {
+		done[c.OrderID()] = true
+	}
+	var pick []int64
+	for _, ev := range r.events {
+		if !done[ev.OrderID()] && rand.Float64() < share {
+			pick = append(pick, ev.OrderID())
+		}
+	}
+	r.mu.Unlock()
+	for i, id := range pick {
+		if err := r.cancel(ctx, svc, id, "returned"); err != nil {
+			return err
+		}
+		r.progress.Set("%s: %d/%d", what, i+1, len(pick))
+	}
+	return nil
 }
 
 // poison returns the n-th kind of message that can never be processed.
@@ -366,11 +464,11 @@ func poison(n int) []byte {
 }
 
 func (r *run) sendPoison(raw sarama.SyncProducer, n int) error {
-	_, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.topic, Key: sarama.StringEncoder(fmt.Sprintf("poison-%d", n)), Value: sarama.ByteEncoder(poison(n))})
+	_, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.confirmed, Key: sarama.StringEncoder(fmt.Sprintf("poison-%d", n)), Value: sarama.ByteEncoder(poison(n))})
 	if err != nil {
 		return fmt.Errorf("demo: send poison message: %w", err)
 	}
-	r.counts.add("", "poison_sent")
+	r.counts.add("", "", "poison_sent")
 	return nil
 }
 
@@ -386,7 +484,7 @@ func (r *run) republish(ctx context.Context, raw sarama.SyncProducer) (int, erro
 		if err != nil {
 			return i, err
 		}
-		if _, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.topic, Key: sarama.StringEncoder(strconv.FormatInt(ev.OrderID(), 10)), Value: sarama.ByteEncoder(payload)}); err != nil {
+		if _, _, err := raw.SendMessage(&sarama.ProducerMessage{Topic: r.confirmed, Key: sarama.StringEncoder(strconv.FormatInt(ev.OrderID(), 10)), Value: sarama.ByteEncoder(payload)}); err != nil {
 			return i, fmt.Errorf("demo: republish: %w", err)
 		}
 		r.progress.Set("re-publishing events: %d/%d", i+1, n)
@@ -394,10 +492,10 @@ func (r *run) republish(ctx context.Context, raw sarama.SyncProducer) (int, erro
 	return n, nil
 }
 
-// resetToEarliest commits the oldest offset of every partition for group, as
-// kafka-consumer-groups.sh --reset-offsets --to-earliest does. The group must
-// have no members.
-func (r *run) resetToEarliest(group string) error {
+// resetToEarliest commits the oldest offset of every partition of topic for
+// group, as kafka-consumer-groups.sh --reset-offsets --to-earliest does. The
+// group must have no members.
+func (r *run) resetToEarliest(group, topic string) error {
 	c := pipeline.PublisherSaramaConfig(r.version)
 	client, err := sarama.NewClient(r.cfg.Brokers, c)
 	if err != nil {
@@ -409,16 +507,16 @@ func (r *run) resetToEarliest(group string) error {
 		return err
 	}
 	defer om.Close()
-	partitions, err := client.Partitions(r.topic)
+	partitions, err := client.Partitions(topic)
 	if err != nil {
 		return err
 	}
 	for _, p := range partitions {
-		oldest, err := client.GetOffset(r.topic, p, sarama.OffsetOldest)
+		oldest, err := client.GetOffset(topic, p, sarama.OffsetOldest)
 		if err != nil {
 			return err
 		}
-		pom, err := om.ManagePartition(r.topic, p)
+		pom, err := om.ManagePartition(topic, p)
 		if err != nil {
 			return err
 		}
@@ -428,12 +526,12 @@ func (r *run) resetToEarliest(group string) error {
 	return nil
 }
 
-// waitProcessed waits until both groups claimed every valid event.
+// waitProcessed waits until both groups claimed every valid confirmation.
 func (r *run) waitProcessed(ctx context.Context, what string) error {
 	want := len(r.events)
 	for {
-		b := r.counts.get(r.groups[0], idempotency.Processed.String()) + r.counts.get(r.groups[0], idempotency.Rejected.String())
-		a := r.counts.get(r.groups[1], idempotency.Processed.String())
+		b := r.counts.get(r.billing, r.confirmed, idempotency.Processed.String()) + r.counts.get(r.billing, r.confirmed, idempotency.Rejected.String())
+		a := r.counts.get(r.analytics, r.confirmed, idempotency.Processed.String())
 		r.progress.Set("%s: billing %d/%d, analytics %d/%d", what, b, want, a, want)
 		if a >= want && b >= want {
 			return nil
@@ -446,9 +544,10 @@ func (r *run) waitProcessed(ctx context.Context, what string) error {
 	}
 }
 
-// waitLagZero waits until both groups committed offsets at the end of every
-// partition: everything delivered was handled, and nothing is left.
-func (r *run) waitLagZero(ctx context.Context) error {
+// waitLagZero waits until every group committed offsets at the end of every
+// partition of every topic it reads, and no dead letter waits in the
+// database: everything delivered was handled, and nothing is left.
+func (r *run) waitLagZero(ctx context.Context, what string) error {
 	client, err := sarama.NewClient(r.cfg.Brokers, pipeline.PublisherSaramaConfig(r.version))
 	if err != nil {
 		return err
@@ -458,22 +557,29 @@ func (r *run) waitLagZero(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	pairs := [][2]string{{r.billing, r.confirmed}, {r.billing, r.cancelled}, {r.analytics, r.confirmed}, {r.analytics, r.payments}}
 	for {
 		total := int64(0)
-		for _, g := range r.groups {
-			lag, err := pipeline.GroupLag(client, admin, g, r.topic)
+		_ = client.RefreshMetadata(r.topics()...)
+		for _, p := range pairs {
+			lag, err := pipeline.GroupLag(client, admin, p[0], p[1])
 			if err != nil {
 				return err
 			}
 			total += lag
 		}
-		r.progress.Set("draining: consumer lag %d (analytics re-reads from the earliest offset)", total)
-		if total == 0 {
+		var parked int64
+		if err := r.cfg.DB.QueryRow(ctx, `SELECT count(*) FROM once_dead_letter WHERE topic = ANY($1)`,
+			[]string{dlqOf(r.confirmed), dlqOf(r.cancelled), dlqOf(r.payments)}).Scan(&parked); err != nil {
+			return err
+		}
+		r.progress.Set("%s: consumer lag %d, dead letters waiting %d", what, total, parked)
+		if total == 0 && parked == 0 {
 			return nil
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("demo: consumer lag still %d when time ran out: %w", total, ctx.Err())
+			return fmt.Errorf("demo: consumer lag still %d, %d dead letters waiting, when time ran out: %w", total, parked, ctx.Err())
 		case <-time.After(250 * time.Millisecond):
 		}
 	}

@@ -15,45 +15,53 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
 )
 
-// counters counts outcomes per consumer group.
+// counters counts outcomes per consumer group and topic.
 type counters struct {
 	mu sync.Mutex
-	n  map[string]map[string]int
+	n  map[string]int
 }
 
-func newCounters() *counters { return &counters{n: map[string]map[string]int{}} }
+func newCounters() *counters { return &counters{n: map[string]int{}} }
 
-func (c *counters) add(group, what string) {
+func (c *counters) add(group, topic, what string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.n[group] == nil {
-		c.n[group] = map[string]int{}
+	c.n[group+"|"+topic+"|"+what]++
+}
+
+func (c *counters) result(r idempotency.Result) { c.add(r.ConsumerGroup, r.Topic, r.Outcome.String()) }
+
+func (c *counters) get(group, topic, what string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[group+"|"+topic+"|"+what]
+}
+
+// sum counts what over a group's topics.
+func (c *counters) sum(group string, topics []string, what string) int {
+	n := 0
+	for _, t := range topics {
+		n += c.get(group, t, what)
 	}
-	c.n[group][what]++
+	return n
 }
 
-func (c *counters) result(r idempotency.Result) { c.add(r.ConsumerGroup, r.Outcome.String()) }
-
-func (c *counters) get(group, what string) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.n[group][what]
-}
-
-// GroupFigures is what one consumer group did.
+// GroupFigures is what one consumer group did, over the topics it reads.
 type GroupFigures struct {
-	Name            string
-	Deliveries      int // messages handed to the group's handler chain
-	Processed       int // first deliveries whose transaction committed
-	Duplicates      int // deliveries skipped by the claim
-	Rejected        int // recorded as refused for good, then dead-lettered
-	FailedAttempts  int // attempts rolled back and retried
-	DeadLettered    int
-	ClaimRows       int // rows in processed_event for the run's events
-	PoisonDelivered int
+	Name           string
+	Topics         []string
+	Deliveries     int // messages handed to the group's handler chains
+	Processed      int // first deliveries whose transaction committed
+	Duplicates     int // deliveries skipped by the claim
+	Rejected       int // recorded as refused for good, then dead-lettered
+	FailedAttempts int // attempts rolled back (and held, or dead-lettered)
+	DeadLettered   int
+	ClaimRows      int // rows in processed_event for the run's events
 }
 
 // Check is one invariant and whether it held.
@@ -65,24 +73,43 @@ type Check struct {
 
 // Summary is what a demo run did and found.
 type Summary struct {
-	Run             string
-	Topic           string
-	Elapsed         time.Duration
-	Orders          int
-	Declined        int
-	Republished     int
-	PoisonSent      int
-	DLQReplay       dlq.Report
-	Billing         GroupFigures
-	Analytics       GroupFigures
+	Run         string
+	Topic       string
+	Elapsed     time.Duration
+	Orders      int
+	Declined    int
+	Republished int
+	PoisonSent  int
+	DLQReplay   dlq.Report
+
+	Cancelled           int // order.cancelled.v1 events
+	CancelledBeforePaid int // orders billing never charged because their cancellation came first
+	Refunds             int // refunds billing recorded
+
+	Billing   GroupFigures
+	Analytics GroupFigures
+
 	ProviderCharges int
+	ProviderRefunds int
 	ProviderStats   payment.Stats
 	DoubleCharged   int
-	ChargedTotal    decimal.Decimal
+	DoubleRefunded  int
+
+	ChargedTotal    decimal.Decimal // at the provider
+	RefundedTotal   decimal.Decimal // at the provider
+	OurCharged      decimal.Decimal // billing's charged payments
+	OurRefunded     decimal.Decimal // billing's refunds
 	ChargeableTotal decimal.Decimal
 	OrderedTotal    decimal.Decimal
 	AnalyticsTotal  decimal.Decimal
+	AnalyticsRefund decimal.Decimal
 	AnalyticsOrders int
+
+	PaymentEvents   int // distinct payment events billing published (outbox)
+	Forwarded       int // outbox publishes to Kafka (a crash would add repeats)
+	AppliedCharges  int // payment.charged.v1 applied by analytics
+	AppliedFailures int
+	AppliedRefunds  int
 	FailedPayments  int
 	Checks          []Check
 }
@@ -97,35 +124,72 @@ func (s Summary) Pass() bool {
 	return len(s.Checks) > 0
 }
 
-func (r *run) group(name string) GroupFigures {
-	g := GroupFigures{Name: name}
-	g.Processed = r.counts.get(name, idempotency.Processed.String())
-	g.Duplicates = r.counts.get(name, idempotency.Duplicate.String())
-	g.Rejected = r.counts.get(name, idempotency.Rejected.String())
-	g.FailedAttempts = r.counts.get(name, idempotency.Failed.String())
-	g.DeadLettered = r.counts.get(name, "dead_lettered")
-	g.Deliveries = r.counts.get(name, "delivered")
-	return g
+func (r *run) group(name string, topics ...string) GroupFigures {
+	return GroupFigures{
+		Name:           name,
+		Topics:         topics,
+		Processed:      r.counts.sum(name, topics, idempotency.Processed.String()),
+		Duplicates:     r.counts.sum(name, topics, idempotency.Duplicate.String()),
+		Rejected:       r.counts.sum(name, topics, idempotency.Rejected.String()),
+		FailedAttempts: r.counts.sum(name, topics, idempotency.Failed.String()),
+		DeadLettered:   r.counts.sum(name, topics, "dead_lettered"),
+		Deliveries:     r.counts.sum(name, topics, "delivered"),
+	}
 }
 
 func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report, elapsed time.Duration) (Summary, error) {
-	s := Summary{Run: r.id, Topic: r.topic, Elapsed: elapsed, Orders: len(r.events), Republished: republished,
-		PoisonSent: r.counts.get("", "poison_sent"), DLQReplay: replay,
-		Billing: r.group(r.groups[0]), Analytics: r.group(r.groups[1])}
+	s := Summary{Run: r.id, Topic: r.confirmed, Elapsed: elapsed, Orders: len(r.events), Republished: republished,
+		PoisonSent: r.counts.get("", "", "poison_sent"), DLQReplay: replay, Cancelled: len(r.cancels),
+		Billing: r.group(r.billing, r.confirmed, r.cancelled), Analytics: r.group(r.analytics, r.confirmed, r.payments),
+		Forwarded: r.counts.get("", r.payments, "forwarded")}
+	db := r.cfg.DB
 
-	chargeable := map[string]decimal.Decimal{}
+	amountOf := map[string]decimal.Decimal{}
 	ids := make([]uuid.UUID, 0, len(r.events))
+	orderIDs := make([]int64, 0, len(r.events))
 	for _, ev := range r.events {
 		ids = append(ids, ev.EventID())
+		orderIDs = append(orderIDs, ev.OrderID())
 		s.OrderedTotal = s.OrderedTotal.Add(ev.TotalAmount())
 		if ev.TotalAmount().GreaterThan(declineAbove) {
 			s.Declined++
 			continue
 		}
-		chargeable[strconv.FormatInt(ev.OrderID(), 10)] = ev.TotalAmount()
-		s.ChargeableTotal = s.ChargeableTotal.Add(ev.TotalAmount())
+		amountOf[strconv.FormatInt(ev.OrderID(), 10)] = ev.TotalAmount()
+	}
+	cancelIDs := make([]uuid.UUID, 0, len(r.cancels))
+	for _, c := range r.cancels {
+		cancelIDs = append(cancelIDs, c.EventID())
 	}
 
+	// Billing's records.
+	var charged int
+	if err := db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'charged'), count(*) FILTER (WHERE status = 'failed'),
+		count(*) FILTER (WHERE status = 'cancelled'), coalesce(sum(amount) FILTER (WHERE status = 'charged'), 0)
+		FROM billing.payments WHERE event_id = ANY($1)`, ids).Scan(&charged, &s.FailedPayments, &s.CancelledBeforePaid, &s.OurCharged); err != nil {
+		return s, fmt.Errorf("demo: read payments: %w", err)
+	}
+	if err := db.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs).
+		Scan(&s.Refunds, &s.OurRefunded); err != nil {
+		return s, fmt.Errorf("demo: read refunds: %w", err)
+	}
+	notCharged := map[string]bool{} // cancelled before the charge
+	rows, err := db.Query(ctx, `SELECT order_id FROM billing.payments WHERE event_id = ANY($1) AND status = 'cancelled'`, ids)
+	if err != nil {
+		return s, err
+	}
+	for rows.Next() {
+		var id int64
+		_ = rows.Scan(&id)
+		notCharged[strconv.FormatInt(id, 10)] = true
+	}
+	rows.Close()
+	cancelledOrders := map[string]bool{}
+	for _, c := range r.cancels {
+		cancelledOrders[strconv.FormatInt(c.OrderID(), 10)] = true
+	}
+
+	// The provider's ledger.
 	ledger, err := r.client.Ledger(ctx)
 	if err != nil {
 		return s, err
@@ -136,52 +200,132 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 		perOrder[c.OrderID]++
 		amount, _ := decimal.NewFromString(c.Amount)
 		s.ChargedTotal = s.ChargedTotal.Add(amount)
-		if want, ok := chargeable[c.OrderID]; !ok || !want.Equal(amount) {
+		if want, ok := amountOf[c.OrderID]; !ok || !want.Equal(amount) || notCharged[c.OrderID] {
 			unexpected++
 		}
 	}
-	s.ProviderCharges = ledger.Count
+	refundsPerOrder := map[string]int{}
+	badRefunds := 0
+	for _, rf := range ledger.Refunds {
+		refundsPerOrder[rf.OrderID]++
+		amount, _ := decimal.NewFromString(rf.Amount)
+		s.RefundedTotal = s.RefundedTotal.Add(amount)
+		if perOrder[rf.OrderID] != 1 || !cancelledOrders[rf.OrderID] || !amountOf[rf.OrderID].Equal(amount) {
+			badRefunds++ // a refund without its charge, of an order nobody cancelled, or not in full
+		}
+	}
+	s.ProviderCharges, s.ProviderRefunds = ledger.Count, ledger.RefundCount
 	s.ProviderStats = r.provider.Stats()
-	missing := 0
-	for o := range chargeable {
+	missing, missingRefunds := 0, 0
+	for o := range amountOf {
 		switch n := perOrder[o]; {
+		case notCharged[o]:
+			// cancelled first: must not be charged (counted as unexpected above)
 		case n == 0:
 			missing++
 		case n > 1:
 			s.DoubleCharged++
 		}
-	}
-
-	db := r.cfg.DB
-	var charged int
-	if err := db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'charged'), count(*) FILTER (WHERE status = 'failed')
-		FROM billing.payments WHERE event_id = ANY($1)`, ids).Scan(&charged, &s.FailedPayments); err != nil {
-		return s, fmt.Errorf("demo: read payments: %w", err)
-	}
-	if err := db.QueryRow(ctx, `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
-		FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, r.customers).Scan(&s.AnalyticsTotal, &s.AnalyticsOrders); err != nil {
-		return s, fmt.Errorf("demo: read analytics: %w", err)
-	}
-	for _, g := range []*GroupFigures{&s.Billing, &s.Analytics} {
-		if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`, g.Name, ids).Scan(&g.ClaimRows); err != nil {
-			return s, fmt.Errorf("demo: read claims: %w", err)
+		if cancelledOrders[o] && perOrder[o] == 1 && refundsPerOrder[o] == 0 {
+			missingRefunds++
+		}
+		if refundsPerOrder[o] > 1 {
+			s.DoubleRefunded++
 		}
 	}
+	chargeable := len(amountOf) - len(notCharged)
+	for o := range amountOf {
+		if notCharged[o] {
+			continue
+		}
+		s.ChargeableTotal = s.ChargeableTotal.Add(amountOf[o])
+	}
+
+	// Analytics.
+	if err := db.QueryRow(ctx, `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0), coalesce(sum(refunded), 0)
+		FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, r.customers).Scan(&s.AnalyticsTotal, &s.AnalyticsOrders, &s.AnalyticsRefund); err != nil {
+		return s, fmt.Errorf("demo: read analytics: %w", err)
+	}
+	var appliedTotal decimal.Decimal
+	if err := db.QueryRow(ctx, `SELECT coalesce(sum(charged_count), 0), coalesce(sum(charged_total), 0), coalesce(sum(failed_count), 0)
+		FROM analytics.customer_daily_payments WHERE customer_id = ANY($1)`, r.customers).Scan(&s.AppliedCharges, &appliedTotal, &s.AppliedFailures); err != nil {
+		return s, fmt.Errorf("demo: read analytics payments: %w", err)
+	}
+	if err := db.QueryRow(ctx, `SELECT coalesce(sum(refund_count), 0) FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, r.customers).
+		Scan(&s.AppliedRefunds); err != nil {
+		return s, err
+	}
+
+	// Claims: billing claims confirmations and cancellations; analytics
+	// confirmations and payment events.
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
+		r.billing, append(append([]uuid.UUID(nil), ids...), cancelIDs...)).Scan(&s.Billing.ClaimRows); err != nil {
+		return s, err
+	}
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
+		r.analytics, ids).Scan(&s.Analytics.ClaimRows); err != nil {
+		return s, err
+	}
+	// Billing's payment events have ids derived from their causes: the
+	// analytics claims of exactly those.
+	var paymentIDs []uuid.UUID
+	rows, err = db.Query(ctx, `SELECT event_id, status FROM billing.payments WHERE event_id = ANY($1) AND status IN ('charged', 'failed')`, ids)
+	if err != nil {
+		return s, err
+	}
+	for rows.Next() {
+		var id uuid.UUID
+		var status string
+		_ = rows.Scan(&id, &status)
+		kind := order.TypePaymentChargedV1
+		if status == "failed" {
+			kind = order.TypePaymentFailedV1
+		}
+		paymentIDs = append(paymentIDs, outbox.EventID(id, kind))
+	}
+	rows.Close()
+	rows, err = db.Query(ctx, `SELECT event_id FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs)
+	if err != nil {
+		return s, err
+	}
+	for rows.Next() {
+		var id uuid.UUID
+		_ = rows.Scan(&id)
+		paymentIDs = append(paymentIDs, outbox.EventID(id, order.TypePaymentRefundedV1))
+	}
+	rows.Close()
+	var paymentClaims int
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
+		r.analytics, paymentIDs).Scan(&paymentClaims); err != nil {
+		return s, err
+	}
+	s.PaymentEvents = len(paymentIDs)
 
 	check := func(what string, ok bool, format string, args ...any) {
 		s.Checks = append(s.Checks, Check{What: what, OK: ok, Got: fmt.Sprintf(format, args...)})
 	}
-	check("every chargeable order charged exactly once at the provider",
-		missing == 0 && s.DoubleCharged == 0 && unexpected == 0 && ledger.Count == len(chargeable),
-		"%d charges for %d orders: %d missing, %d doubled, %d unexpected", ledger.Count, len(chargeable), missing, s.DoubleCharged, unexpected)
-	check("charged total equals the chargeable ordered total", s.ChargedTotal.Equal(s.ChargeableTotal),
-		"%s vs %s", s.ChargedTotal.StringFixed(2), s.ChargeableTotal.StringFixed(2))
-	check("billing recorded each order once", charged == len(chargeable) && s.FailedPayments == s.Declined,
-		"%d charged, %d failed (declined orders: %d)", charged, s.FailedPayments, s.Declined)
-	check("analytics counted every order exactly once", s.AnalyticsTotal.Equal(s.OrderedTotal) && s.AnalyticsOrders == s.Orders,
-		"%s over %d orders vs %s over %d", s.AnalyticsTotal.StringFixed(2), s.AnalyticsOrders, s.OrderedTotal.StringFixed(2), s.Orders)
-	check("one claim per event and group", s.Billing.ClaimRows == s.Orders && s.Analytics.ClaimRows == s.Orders,
-		"billing %d, analytics %d, events %d", s.Billing.ClaimRows, s.Analytics.ClaimRows, s.Orders)
+	check("every chargeable order charged exactly once at the provider, none cancelled before its charge",
+		missing == 0 && s.DoubleCharged == 0 && unexpected == 0 && ledger.Count == chargeable,
+		"%d charges for %d orders: %d missing, %d doubled, %d unexpected", ledger.Count, chargeable, missing, s.DoubleCharged, unexpected)
+	check("every cancelled charge refunded exactly once, in full, and no refund without its charge",
+		missingRefunds == 0 && s.DoubleRefunded == 0 && badRefunds == 0 && s.Refunds == ledger.RefundCount,
+		"%d refunds: %d missing, %d doubled, %d without a charge or not in full; billing recorded %d", ledger.RefundCount, missingRefunds, s.DoubleRefunded, badRefunds, s.Refunds)
+	check("the provider's ledger balances against ours, to the cent",
+		s.ChargedTotal.Sub(s.RefundedTotal).Equal(s.OurCharged.Sub(s.OurRefunded)) && s.ChargedTotal.Equal(s.OurCharged),
+		"provider %s - %s = %s, billing %s - %s = %s", s.ChargedTotal.StringFixed(2), s.RefundedTotal.StringFixed(2), s.ChargedTotal.Sub(s.RefundedTotal).StringFixed(2),
+		s.OurCharged.StringFixed(2), s.OurRefunded.StringFixed(2), s.OurCharged.Sub(s.OurRefunded).StringFixed(2))
+	check("billing recorded each order once", charged+s.FailedPayments+s.CancelledBeforePaid == s.Orders && s.FailedPayments == s.Declined && charged == ledger.Count,
+		"%d charged, %d failed (declined orders: %d), %d cancelled before the charge, of %d", charged, s.FailedPayments, s.Declined, s.CancelledBeforePaid, s.Orders)
+	check("analytics counted every order exactly once, and every refund", s.AnalyticsTotal.Equal(s.OrderedTotal) && s.AnalyticsOrders == s.Orders && s.AnalyticsRefund.Equal(s.RefundedTotal),
+		"%s over %d orders vs %s over %d; refunded %s vs %s", s.AnalyticsTotal.StringFixed(2), s.AnalyticsOrders, s.OrderedTotal.StringFixed(2), s.Orders,
+		s.AnalyticsRefund.StringFixed(2), s.RefundedTotal.StringFixed(2))
+	check("every payment event billing published applied exactly once by analytics",
+		s.AppliedCharges == ledger.Count && appliedTotal.Equal(s.ChargedTotal) && s.AppliedFailures == s.FailedPayments && s.AppliedRefunds == s.Refunds &&
+			paymentClaims == s.PaymentEvents && s.Forwarded >= s.PaymentEvents,
+		"charged %d/%d (%s), failed %d/%d, refunded %d/%d; %d claims for %d events, %d forwarded",
+		s.AppliedCharges, ledger.Count, appliedTotal.StringFixed(2), s.AppliedFailures, s.FailedPayments, s.AppliedRefunds, s.Refunds, paymentClaims, s.PaymentEvents, s.Forwarded)
+	check("one claim per event and group", s.Billing.ClaimRows == s.Orders+s.Cancelled && s.Analytics.ClaimRows == s.Orders,
+		"billing %d (orders and cancellations: %d), analytics %d (orders: %d)", s.Billing.ClaimRows, s.Orders+s.Cancelled, s.Analytics.ClaimRows, s.Orders)
 	check("duplicates were delivered and skipped in both groups", s.Billing.Duplicates > 0 && s.Analytics.Duplicates > 0,
 		"billing %d, analytics %d", s.Billing.Duplicates, s.Analytics.Duplicates)
 	check("every poison message dead-lettered by both groups",
@@ -196,6 +340,9 @@ func (s Summary) Print(w io.Writer) {
 	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(t, "orders confirmed\t%d\t\n", s.Orders)
 	fmt.Fprintf(t, "  priced above the decline limit\t%d\t\n", s.Declined)
+	fmt.Fprintf(t, "orders cancelled\t%d\t\n", s.Cancelled)
+	fmt.Fprintf(t, "  before their charge (never charged)\t%d\t\n", s.CancelledBeforePaid)
+	fmt.Fprintf(t, "  after their charge (refunded)\t%d\t\n", s.Refunds)
 	fmt.Fprintf(t, "events re-published by a producer\t%d\t\n", s.Republished)
 	fmt.Fprintf(t, "poison messages injected\t%d\t\n", s.PoisonSent)
 	fmt.Fprintf(t, "dead letters replayed\t%d\t\n", s.DLQReplay.Replayed)
@@ -210,19 +357,27 @@ func (s Summary) Print(w io.Writer) {
 	row("processed (first delivery)", func(g GroupFigures) int { return g.Processed })
 	row("duplicates skipped", func(g GroupFigures) int { return g.Duplicates })
 	row("refused for good (declined)", func(g GroupFigures) int { return g.Rejected })
-	row("attempts rolled back and retried", func(g GroupFigures) int { return g.FailedAttempts })
+	row("attempts rolled back", func(g GroupFigures) int { return g.FailedAttempts })
 	row("dead-lettered", func(g GroupFigures) int { return g.DeadLettered })
 	row("claims in processed_event", func(g GroupFigures) int { return g.ClaimRows })
 	t.Flush()
 	fmt.Fprintln(w)
 	t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(t, "provider charges\t%d\t\n", s.ProviderCharges)
-	fmt.Fprintf(t, "  connections dropped after charging\t%d\t\n", s.ProviderStats.Resets)
-	fmt.Fprintf(t, "  answers replayed for a known key\t%d\t\n", s.ProviderStats.Replays)
-	fmt.Fprintf(t, "charged total\t%s\t\n", s.ChargedTotal.StringFixed(2))
-	fmt.Fprintf(t, "ordered total (chargeable)\t%s\t\n", s.ChargeableTotal.StringFixed(2))
+	fmt.Fprintln(t, "\tprovider\tbilling\t")
+	fmt.Fprintf(t, "charges\t%d\t%d\t\n", s.ProviderCharges, s.ProviderCharges)
+	fmt.Fprintf(t, "refunds\t%d\t%d\t\n", s.ProviderRefunds, s.Refunds)
+	fmt.Fprintf(t, "charged total\t%s\t%s\t\n", s.ChargedTotal.StringFixed(2), s.OurCharged.StringFixed(2))
+	fmt.Fprintf(t, "refunded total\t%s\t%s\t\n", s.RefundedTotal.StringFixed(2), s.OurRefunded.StringFixed(2))
+	fmt.Fprintf(t, "net\t%s\t%s\t\n", s.ChargedTotal.Sub(s.RefundedTotal).StringFixed(2), s.OurCharged.Sub(s.OurRefunded).StringFixed(2))
+	t.Flush()
+	fmt.Fprintln(w)
+	t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(t, "connections dropped after charging or refunding\t%d\t\n", s.ProviderStats.Resets)
+	fmt.Fprintf(t, "answers replayed for a known key\t%d\t\n", s.ProviderStats.Replays)
+	fmt.Fprintf(t, "payment events published (outbox)\t%d\t\n", s.PaymentEvents)
+	fmt.Fprintf(t, "  applied by analytics: charged, failed, refunded\t%d, %d, %d\t\n", s.AppliedCharges, s.AppliedFailures, s.AppliedRefunds)
 	fmt.Fprintf(t, "ordered total (all)\t%s\t\n", s.OrderedTotal.StringFixed(2))
-	fmt.Fprintf(t, "analytics total\t%s\t\n", s.AnalyticsTotal.StringFixed(2))
+	fmt.Fprintf(t, "analytics revenue, refunded\t%s, %s\t\n", s.AnalyticsTotal.StringFixed(2), s.AnalyticsRefund.StringFixed(2))
 	t.Flush()
 	fmt.Fprintln(w)
 	for _, c := range s.Checks {
@@ -232,7 +387,7 @@ func (s Summary) Print(w io.Writer) {
 		}
 		fmt.Fprintf(w, "%s %s (%s)\n", mark, c.What, c.Got)
 	}
-	verdict := "PASS: every order charged exactly once and counted exactly once"
+	verdict := "PASS: every order charged exactly once, every cancellation refunded once, every event counted exactly once"
 	if !s.Pass() {
 		verdict = "FAIL: " + strings.Join(failed(s.Checks), "; ")
 	}

@@ -89,6 +89,8 @@ func TestRejectionsNameTheFieldAndWhatWasExpected(t *testing.T) {
 		{"zero amount", "total_amount", `0`, "field total_amount: want a positive decimal"},
 		{"sub-cent amount", "total_amount", `"1.001"`, "at most 2 fraction digits"},
 		{"amount NaN", "total_amount", `"NaN"`, "field total_amount"},
+		{"amount beyond numeric(20,2)", "total_amount", `"1e18"`, "below 10^18"},
+		{"amount huge exponent", "total_amount", `1e10000`, "below 10^18"},
 		{"amount bool", "total_amount", `true`, "got a boolean true"},
 		{"no offset", "occurred_at", `"2026-12-02T10:00:00"`, "field occurred_at: want an ISO 8601 date-time with an offset"},
 		{"bad time", "occurred_at", `"yesterday"`, "field occurred_at"},

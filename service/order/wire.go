@@ -21,6 +21,10 @@ const MaxPayloadBytes = 64 << 10
 // two-decimal currencies, and a third digit would be rounded somewhere.
 const MaxFractionDigits = 2
 
+// MaxAmount is the largest amount accepted: what numeric(20, 2) holds. A
+// larger one is refused at the edge, before anything is claimed or charged.
+var MaxAmount = decimal.RequireFromString("999999999999999999.99")
+
 // ErrInvalid is wrapped by every validation error of the decoders, so callers
 // can tell a message that can never be processed from a failure to process it.
 var ErrInvalid = errors.New("invalid event")
@@ -170,7 +174,7 @@ var jsonNumber = regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9
 // string pydantic writes for a Decimal or from a JSON number, parsed from its
 // literal text: never through a float64.
 func (f *fields) amount(field string) decimal.Decimal {
-	const want = "a positive decimal with at most 2 fraction digits, as a string (\"129.90\") or a JSON number"
+	const want = "a positive decimal below 10^18 with at most 2 fraction digits, as a string (\"129.90\") or a JSON number"
 	raw, ok := f.get(field, want)
 	if !ok {
 		return decimal.Decimal{}
@@ -187,7 +191,7 @@ func (f *fields) amount(field string) decimal.Decimal {
 		return decimal.Decimal{}
 	}
 	d, err := decimal.NewFromString(text)
-	if err != nil || !d.IsPositive() || !d.Equal(d.Round(MaxFractionDigits)) {
+	if err != nil || !d.IsPositive() || !d.Equal(d.Round(MaxFractionDigits)) || d.GreaterThan(MaxAmount) {
 		f.fail(field, want, raw)
 		return decimal.Decimal{}
 	}
@@ -227,4 +231,14 @@ func describe(raw []byte) string {
 func mustJSON(s string) json.RawMessage {
 	b, _ := json.Marshal(s)
 	return b
+}
+
+// nonEmpty reads a string that must not be empty.
+func (f *fields) nonEmpty(field string) string {
+	const want = "a non-empty string"
+	s, ok := f.str(field, want)
+	if ok && s == "" {
+		f.fail(field, want, mustJSON(s))
+	}
+	return s
 }

@@ -8,10 +8,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -19,17 +15,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/service/order"
 )
 
-// DefaultOutboxTopic names the outbox (table watermill_orders_outbox).
+// DefaultOutboxTopic names the outbox (table watermill_orders_outbox, as
+// watermill-sql first created it).
 const DefaultOutboxTopic = "orders_outbox"
-
-// forwarderGroup is the outbox subscriber's consumer group.
-const forwarderGroup = "kafka_forwarder"
-
-// metaPartitionKey carries the order id from the outbox to the Kafka key.
-const metaPartitionKey = "partition_key"
 
 // insertOrderSQL takes the order id from the identity column unless the
 // caller chose one ($1 not null).
@@ -38,22 +30,32 @@ OVERRIDING SYSTEM VALUE
 VALUES (coalesce($1, nextval(pg_get_serial_sequence('orders.orders', 'order_id'))), $2, $3, $4)
 RETURNING order_id`
 
+// cancelOrderSQL cancels an order once: a second cancellation changes no row.
+const cancelOrderSQL = `UPDATE orders.orders SET cancelled_at = now(), cancelled_event_id = $2
+WHERE order_id = $1 AND cancelled_at IS NULL`
+
+const orderStateSQL = `SELECT cancelled_event_id FROM orders.orders WHERE order_id = $1`
+
 // Config configures a [Service].
 type Config struct {
 	DB *pgxpool.Pool
-	// Topic is the Kafka topic the events are forwarded to.
+	// Topic receives order.confirmed.v1 events. Required.
 	Topic string
-	// OutboxTopic. Default [DefaultOutboxTopic].
+	// CancelledTopic receives order.cancelled.v1 events. Default: none,
+	// and Cancel refuses.
+	CancelledTopic string
+	// OutboxTopic names the outbox table: watermill_<OutboxTopic>. Default
+	// [DefaultOutboxTopic].
 	OutboxTopic string
 	Logger      *slog.Logger
 	// Now is the clock of occurred_at. Default time.Now.
 	Now func() time.Time
 }
 
-// Service confirms orders.
+// Service confirms and cancels orders.
 type Service struct {
-	cfg  Config
-	wlog watermill.LoggerAdapter
+	cfg    Config
+	outbox *outbox.Outbox
 }
 
 // NewService validates cfg.
@@ -70,22 +72,18 @@ func NewService(cfg Config) (*Service, error) {
 	if cfg.DB == nil || cfg.Topic == "" {
 		return nil, errors.New("orders: Config.DB and Config.Topic are required")
 	}
-	return &Service{cfg: cfg, wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})}, nil
+	// The names watermill-sql gave the tables when it created them.
+	box, err := outbox.New(outbox.Config{Table: "watermill_" + cfg.OutboxTopic, OffsetsTable: "watermill_offsets_" + cfg.OutboxTopic, Logger: cfg.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("orders: %w", err)
+	}
+	return &Service{cfg: cfg, outbox: box}, nil
 }
 
-// Init creates the outbox tables (watermill-sql's schema) if they are missing.
-// The publisher cannot do it: it writes inside the caller's transaction, where
-// DDL would commit implicitly.
+// Init creates the outbox tables if they are missing. The publisher cannot:
+// it writes inside the caller's transaction, where DDL would commit it.
 func (s *Service) Init(ctx context.Context) error {
-	sub, err := s.outboxSubscriber()
-	if err != nil {
-		return err
-	}
-	defer sub.Close()
-	if err := sub.SubscribeInitialize(s.cfg.OutboxTopic); err != nil {
-		return fmt.Errorf("orders: create outbox: %w", err)
-	}
-	return nil
+	return s.outbox.Init(ctx, s.cfg.DB)
 }
 
 // ConfirmRequest is an order to confirm. A zero OrderID gets the next one.
@@ -134,99 +132,64 @@ func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest
 	if err != nil {
 		return order.Confirmed{}, err
 	}
-	outbox, err := watermillsql.NewPublisher(watermillsql.TxFromPgx(tx), watermillsql.PublisherConfig{
-		SchemaAdapter: watermillsql.DefaultPostgreSQLSchema{},
-	}, s.wlog)
-	if err != nil {
-		return order.Confirmed{}, fmt.Errorf("orders: outbox publisher: %w", err)
-	}
-	msg := message.NewMessage(ev.EventID().String(), payload)
-	msg.Metadata.Set(metaPartitionKey, strconv.FormatInt(ev.OrderID(), 10))
-	pub := forwarder.NewPublisher(outbox, forwarder.PublisherConfig{ForwarderTopic: s.cfg.OutboxTopic})
-	if err := pub.Publish(s.cfg.Topic, msg); err != nil {
-		return order.Confirmed{}, fmt.Errorf("orders: write outbox: %w", err)
-	}
-	return ev, nil
+	return ev, s.outbox.Publish(ctx, tx, outbox.Message{Topic: s.cfg.Topic, Key: strconv.FormatInt(orderID, 10), ID: eventID.String(), Payload: payload})
 }
 
-func (s *Service) outboxSubscriber() (*watermillsql.Subscriber, error) {
-	return watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(s.cfg.DB), watermillsql.SubscriberConfig{
-		ConsumerGroup:    forwarderGroup,
-		PollInterval:     50 * time.Millisecond,
-		SchemaAdapter:    watermillsql.DefaultPostgreSQLSchema{},
-		OffsetsAdapter:   watermillsql.DefaultPostgreSQLOffsetsAdapter{},
-		InitializeSchema: true,
-	}, s.wlog)
-}
+// ErrNotFound and ErrAlreadyCancelled are Cancel's refusals.
+var (
+	ErrNotFound         = errors.New("orders: no such order")
+	ErrAlreadyCancelled = errors.New("orders: order already cancelled")
+)
 
-// pruneOutboxSQL deletes, in one bounded batch, outbox rows the forwarder has
-// acknowledged (watermill-sql orders rows by transaction id, then offset) and
-// that are older than the given age. Unforwarded rows are never touched.
-// The table names are watermill-sql's, computed from the outbox topic;
-// created_at is a timestamp without time zone written by CURRENT_TIMESTAMP,
-// hence LOCALTIMESTAMP.
-const pruneOutboxSQL = `DELETE FROM %[1]s WHERE ctid IN (
-  SELECT m.ctid FROM %[1]s m JOIN %[2]s o ON o.consumer_group = $1
-  WHERE (m.transaction_id < o.last_processed_transaction_id
-     OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
-    AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
-  LIMIT $3)`
+// Cancel cancels a confirmed order once, in its own transaction, and writes
+// its order.cancelled.v1 event into the outbox in the same transaction. A
+// second cancellation is refused with [ErrAlreadyCancelled] and publishes
+// nothing.
+func (s *Service) Cancel(ctx context.Context, orderID int64, reason string) (order.Cancelled, error) {
+	if s.cfg.CancelledTopic == "" {
+		return order.Cancelled{}, errors.New("orders: Config.CancelledTopic is not set: cancellations are off")
+	}
+	var ev order.Cancelled
+	err := pgx.BeginFunc(ctx, s.cfg.DB, func(tx pgx.Tx) error {
+		eventID, err := uuid.NewV7()
+		if err != nil {
+			return fmt.Errorf("orders: event id: %w", err)
+		}
+		if ev, err = order.NewCancelled(eventID, s.cfg.Now(), orderID, reason); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, cancelOrderSQL, orderID, eventID)
+		if err != nil {
+			return fmt.Errorf("orders: cancel order %d: %w", orderID, err)
+		}
+		if tag.RowsAffected() == 0 {
+			var by *uuid.UUID
+			if err := tx.QueryRow(ctx, orderStateSQL, orderID).Scan(&by); errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("%w: %d", ErrNotFound, orderID)
+			} else if err != nil {
+				return fmt.Errorf("orders: read order %d: %w", orderID, err)
+			}
+			return fmt.Errorf("%w: order %d, by event %s", ErrAlreadyCancelled, orderID, by)
+		}
+		payload, err := ev.MarshalJSON()
+		if err != nil {
+			return err
+		}
+		return s.outbox.Publish(ctx, tx, outbox.Message{Topic: s.cfg.CancelledTopic, Key: strconv.FormatInt(orderID, 10), ID: eventID.String(), Payload: payload})
+	})
+	return ev, err
+}
 
 // PruneOutbox deletes forwarded outbox rows older than olderThan, batch rows
-// per statement, and returns how many it deleted. watermill-sql keeps every
-// row forever; without this the outbox grows with every order.
+// per statement, and returns how many it deleted.
 func (s *Service) PruneOutbox(ctx context.Context, olderThan time.Duration, batch int) (int64, error) {
-	q := fmt.Sprintf(pruneOutboxSQL,
-		watermillsql.DefaultPostgreSQLSchema{}.MessagesTable(s.cfg.OutboxTopic),
-		watermillsql.DefaultPostgreSQLOffsetsAdapter{}.MessagesOffsetsTable(s.cfg.OutboxTopic))
-	var total int64
-	for {
-		tag, err := s.cfg.DB.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
-		if err != nil {
-			return total, fmt.Errorf("orders: prune outbox: %w", err)
-		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < int64(batch) {
-			return total, nil
-		}
-	}
-}
-
-// KafkaMarshaler keys each Kafka message by its order id, so one order's
-// events stay in one partition and in order. The value is the event's JSON
-// as written to the outbox.
-func KafkaMarshaler() kafka.MarshalerUnmarshaler {
-	return kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
-		key := msg.Metadata.Get(metaPartitionKey)
-		if key == "" {
-			return "", fmt.Errorf("orders: message %s has no %s", msg.UUID, metaPartitionKey)
-		}
-		return key, nil
-	})
-}
-
-// NewKafkaPublisher returns the forwarder's Kafka publisher: keyed by order
-// id ([KafkaMarshaler]) and configured by cfg, which should be an idempotent
-// producer's (acks from all in-sync replicas, one request in flight).
-func NewKafkaPublisher(brokers []string, cfg *sarama.Config, logger watermill.LoggerAdapter) (*kafka.Publisher, error) {
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{Brokers: brokers, Marshaler: KafkaMarshaler(), OverwriteSaramaConfig: cfg}, logger)
-	if err != nil {
-		return nil, fmt.Errorf("orders: kafka publisher: %w", err)
-	}
-	return pub, nil
+	return s.outbox.Prune(ctx, s.cfg.DB, olderThan, batch)
 }
 
 // NewForwarder moves outbox rows to Kafka through kafkaPublisher (see
-// [KafkaMarshaler]). A row is acknowledged only after Kafka acknowledged the
-// publish, so a crash in between publishes it again, with the same event id.
+// outbox.NewKafkaPublisher). A row is acknowledged only after Kafka
+// acknowledged the publish, so a crash in between publishes it again, with
+// the same event id.
 func (s *Service) NewForwarder(kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
-	sub, err := s.outboxSubscriber()
-	if err != nil {
-		return nil, err
-	}
-	f, err := forwarder.NewForwarder(sub, kafkaPublisher, s.wlog, forwarder.Config{ForwarderTopic: s.cfg.OutboxTopic})
-	if err != nil {
-		return nil, fmt.Errorf("orders: forwarder: %w", err)
-	}
-	return f, nil
+	return s.outbox.Forwarder(s.cfg.DB, kafkaPublisher)
 }

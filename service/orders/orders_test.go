@@ -3,20 +3,22 @@ package orders_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/orders"
 )
 
@@ -32,7 +34,7 @@ func setup(t *testing.T) *fixture {
 	brokers := testenv.Brokers(t)
 	topic := testenv.Topic(t, brokers, 3)
 	// An outbox of its own per test, so forwarders of other tests never see its rows.
-	svc, err := orders.NewService(orders.Config{DB: pool, Topic: topic, OutboxTopic: "outbox_" + uuid.NewString()[:8]})
+	svc, err := orders.NewService(orders.Config{DB: pool, Topic: topic, CancelledTopic: topic, OutboxTopic: "outbox_" + uuid.NewString()[:8]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,12 +47,12 @@ func setup(t *testing.T) *fixture {
 func (f *fixture) kafkaPublisher(t *testing.T) message.Publisher {
 	t.Helper()
 	version, _ := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
-	pub, err := orders.NewKafkaPublisher(f.brokers, pipeline.PublisherSaramaConfig(version), watermill.NopLogger{})
+	producer, err := sarama.NewSyncProducer(f.brokers, pipeline.PublisherSaramaConfig(version))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { pub.Close() })
-	return pub
+	t.Cleanup(func() { producer.Close() })
+	return outbox.KafkaPublisher{Producer: producer}
 }
 
 // runForwarder runs a forwarder until the returned stop is called.
@@ -248,5 +250,36 @@ func TestPruneOutboxDeletesOnlyForwardedRows(t *testing.T) {
 	f.runForwarder(t, f.kafkaPublisher(t))
 	if got := f.readTopic(t, 4, 2*time.Second); len(got) != 4 {
 		t.Fatalf("topic holds %d events, want 4: the unforwarded row must survive pruning", len(got))
+	}
+}
+
+// A cancellation writes its event through the outbox with the order's key,
+// once: a second cancellation is refused and publishes nothing, and an order
+// that does not exist cannot be cancelled.
+func TestCancelPublishesOnceAfterTheConfirmation(t *testing.T) {
+	f := setup(t)
+	ctx := context.Background()
+	ev, err := f.svc.Confirm(ctx, req())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := f.svc.Cancel(ctx, ev.OrderID(), "changed my mind")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.svc.Cancel(ctx, ev.OrderID(), "again"); !errors.Is(err, orders.ErrAlreadyCancelled) {
+		t.Fatalf("second cancellation: %v, want ErrAlreadyCancelled", err)
+	}
+	if _, err := f.svc.Cancel(ctx, -1, ""); !errors.Is(err, orders.ErrNotFound) {
+		t.Fatalf("unknown order: %v, want ErrNotFound", err)
+	}
+	f.runForwarder(t, f.kafkaPublisher(t))
+	got := f.readTopic(t, 2, 2*time.Second)
+	key := strconv.FormatInt(ev.OrderID(), 10)
+	if len(got) != 2 || got[0].eventID != ev.EventID().String() || got[1].eventID != c.EventID().String() || got[0].key != key || got[1].key != key {
+		t.Fatalf("topic holds %+v; want the confirmation, then the one cancellation, keyed by the order", got)
+	}
+	if _, err := order.DecodeCancelled([]byte(got[1].payload)); err != nil {
+		t.Fatalf("the cancellation on the wire: %v", err)
 	}
 }

@@ -48,10 +48,54 @@ type Charge struct {
 	Amount   string `json:"amount"`
 	Currency string `json:"currency"`
 	Status   string `json:"status"`
+	// Created is when the provider charged; a replay carries the same time.
+	Created time.Time `json:"created_at"`
 	// Replayed is true when the provider answered from a stored earlier
 	// request with the same key: the charge happened once, before.
 	Replayed bool `json:"-"`
 }
+
+// RefundRequest refunds (part of) a charge. Build it only from immutable
+// records (the charge as recorded), so every retry of one key sends the same
+// bytes.
+type RefundRequest struct {
+	ChargeID string
+	Amount   decimal.Decimal
+}
+
+type refundBody struct {
+	ChargeID string `json:"charge_id"`
+	Amount   string `json:"amount"`
+}
+
+func (r RefundRequest) body() ([]byte, error) {
+	return json.Marshal(refundBody{ChargeID: r.ChargeID, Amount: r.Amount.StringFixed(2)})
+}
+
+// Refund is the provider's record of a successful refund.
+type Refund struct {
+	ID       string    `json:"id"`
+	ChargeID string    `json:"charge_id"`
+	OrderID  string    `json:"order_id"`
+	Amount   string    `json:"amount"`
+	Currency string    `json:"currency"`
+	Status   string    `json:"status"`
+	Created  time.Time `json:"created_at"`
+	Replayed bool      `json:"-"`
+}
+
+// The provider's documented refusal codes: its final answer for this
+// request, which no retry with the same key can change.
+const (
+	CodeCardDeclined        = "card_declined"          // 402: the charge was declined
+	CodeChargeNotFound      = "charge_not_found"       // 404: a refund of a charge the account does not have
+	CodeRefundExceedsCharge = "refund_exceeds_charge"  // 422: more than what is left of the charge
+	CodeKeyReused           = "idempotency_key_reused" // 422: the key was used with another request
+	CodeInvalidAmount       = "invalid_amount"         // 400: not a positive amount in cents
+)
+
+var permanentCodes = map[string]bool{CodeCardDeclined: true, CodeChargeNotFound: true, CodeRefundExceedsCharge: true,
+	CodeKeyReused: true, CodeInvalidAmount: true}
 
 // Error is a non-success answer of the provider.
 type Error struct {
@@ -69,17 +113,20 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("payment provider answered %d %s: %s%s", e.StatusCode, e.Code, e.Message, replayed)
 }
 
-// Permanent reports whether no retry with the same key can change the
-// answer: any 4xx but 409 (in flight) and 429 (rate limited), and a 5xx the
-// provider stored for the key and now replays.
+// Permanent reports whether the answer is the provider's own final verdict
+// on this request: a 402, one of its documented refusal codes, or a 5xx it
+// stored for the key and replays. Everything else is the environment's
+// fault and may pass on a retry with the same key: 401 and 403 (a rotated
+// key), a 404 or 400 without the provider's code (a wrong base URL, a
+// proxy), 408, 409 (in flight), 429 and the other 5xx.
 func (e *Error) Permanent() bool {
 	switch {
-	case e.StatusCode == http.StatusConflict, e.StatusCode == http.StatusTooManyRequests:
-		return false
 	case e.StatusCode >= 500:
 		return e.Replayed
+	case e.StatusCode == http.StatusPaymentRequired:
+		return true
 	}
-	return e.StatusCode >= 400
+	return e.StatusCode >= 400 && permanentCodes[e.Code]
 }
 
 // ErrKeyReused matches (errors.Is) a 422 for a key already used with a
@@ -88,7 +135,7 @@ func (e *Error) Permanent() bool {
 var ErrKeyReused = errors.New("payment: idempotency key reused with a different request")
 
 func (e *Error) Is(target error) bool {
-	return target == ErrKeyReused && e.StatusCode == http.StatusUnprocessableEntity
+	return target == ErrKeyReused && e.Code == CodeKeyReused
 }
 
 // IsPermanent reports whether err is a provider answer that no retry can change.
@@ -162,37 +209,55 @@ func NewClient(cfg ClientConfig) (*Client, error) {
 }
 
 // Charge charges req once per idempotencyKey. It retries what may succeed on a
-// later try (network errors, timeouts, 409, 429, 5xx) with the same key and
-// body; its error is an [*Error] for a provider answer, or the last network
-// error. Check [IsPermanent] to tell a refusal from a failure to get through.
+// later try (everything but the provider's final verdicts, see
+// [Error.Permanent]) with the same key and body; its error is an [*Error]
+// for a provider answer, or the last network error. Check [IsPermanent] to
+// tell a refusal from a failure to get through.
 func (c *Client) Charge(ctx context.Context, req ChargeRequest, idempotencyKey string) (Charge, error) {
-	if idempotencyKey == "" {
-		return Charge{}, errors.New("payment: charge without an idempotency key")
-	}
 	body, err := req.body()
 	if err != nil {
 		return Charge{}, fmt.Errorf("payment: encode charge: %w", err)
 	}
+	var ch Charge
+	ch.Replayed, err = c.post(ctx, "/v1/charges", body, idempotencyKey, &ch)
+	return ch, err
+}
+
+// Refund refunds req once per idempotencyKey, retrying as [Client.Charge] does.
+func (c *Client) Refund(ctx context.Context, req RefundRequest, idempotencyKey string) (Refund, error) {
+	body, err := req.body()
+	if err != nil {
+		return Refund{}, fmt.Errorf("payment: encode refund: %w", err)
+	}
+	var re Refund
+	re.Replayed, err = c.post(ctx, "/v1/refunds", body, idempotencyKey, &re)
+	return re, err
+}
+
+// post sends body to path with the key until the provider answers for good
+// or the attempts are spent, and decodes a success into out.
+func (c *Client) post(ctx context.Context, path string, body []byte, key string, out any) (replayed bool, err error) {
+	if key == "" {
+		return false, fmt.Errorf("payment: %s without an idempotency key", path)
+	}
 	exp := backoff.NewExponentialBackOff()
 	exp.InitialInterval, exp.MaxInterval = c.cfg.InitialBackoff, c.cfg.MaxBackoff
-	return backoff.Retry(ctx, func() (Charge, error) {
-		ch, err := c.attempt(ctx, body, idempotencyKey)
+	return backoff.Retry(ctx, func() (bool, error) {
+		replayed, err := c.attempt(ctx, path, body, key, out)
 		var perr *Error
-		if errors.As(err, &perr) {
-			if perr.Permanent() {
-				return ch, backoff.Permanent(err)
-			}
+		if errors.As(err, &perr) && perr.Permanent() {
+			return replayed, backoff.Permanent(err)
 		}
-		return ch, err
+		return replayed, err
 	}, backoff.WithBackOff(exp), backoff.WithMaxTries(uint(c.cfg.MaxAttempts)), backoff.WithMaxElapsedTime(0))
 }
 
-func (c *Client) attempt(ctx context.Context, body []byte, key string) (Charge, error) {
+func (c *Client) attempt(ctx context.Context, path string, body []byte, key string, out any) (replayed bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	defer cancel()
-	r, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/v1/charges", bytes.NewReader(body))
+	r, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+path, bytes.NewReader(body))
 	if err != nil {
-		return Charge{}, backoff.Permanent(fmt.Errorf("payment: build request: %w", err))
+		return false, backoff.Permanent(fmt.Errorf("payment: build request: %w", err))
 	}
 	r.Header.Set("Content-Type", "application/json")
 	r.Header.Set(HeaderIdempotencyKey, key)
@@ -201,21 +266,21 @@ func (c *Client) attempt(ctx context.Context, body []byte, key string) (Charge, 
 	}
 	resp, err := c.cfg.HTTPClient.Do(r)
 	if err != nil {
-		return Charge{}, fmt.Errorf("payment: charge %s: %w", key, err)
+		return false, fmt.Errorf("payment: POST %s %s: %w", path, key, err)
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if err != nil {
-		return Charge{}, fmt.Errorf("payment: charge %s: read answer: %w", key, err)
+		return false, fmt.Errorf("payment: POST %s %s: read answer: %w", path, key, err)
 	}
-	replayed := resp.Header.Get(HeaderReplayed) == "true"
+	replayed = resp.Header.Get(HeaderReplayed) == "true"
 	if resp.StatusCode/100 == 2 {
-		var ch Charge
-		if err := json.Unmarshal(raw, &ch); err != nil {
-			return Charge{}, fmt.Errorf("payment: charge %s: undecodable success answer: %w", key, err)
+		if err := json.Unmarshal(raw, out); err != nil {
+			// A 2xx we cannot read: a proxy's page, or a provider upgrade.
+			// Money may have moved; the retry with the key learns it.
+			return false, fmt.Errorf("payment: POST %s %s: undecodable success answer: %w", path, key, err)
 		}
-		ch.Replayed = replayed
-		return ch, nil
+		return replayed, nil
 	}
 	var problem struct {
 		Code    string `json:"code"`
@@ -225,10 +290,10 @@ func (c *Client) attempt(ctx context.Context, body []byte, key string) (Charge, 
 	perr := &Error{StatusCode: resp.StatusCode, Code: problem.Code, Message: problem.Message, Replayed: replayed}
 	if resp.StatusCode == http.StatusTooManyRequests {
 		if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
-			return Charge{}, errors.Join(perr, backoff.RetryAfter(s))
+			return false, errors.Join(perr, backoff.RetryAfter(s))
 		}
 	}
-	return Charge{}, perr
+	return false, perr
 }
 
 // Ledger fetches the account's ledger from the provider.

@@ -24,9 +24,10 @@ import (
 
 // Faults injected by the simulator. Rates are probabilities per request.
 type Faults struct {
-	// ResetAfterChargeRate: after charging and storing the answer, drop the
-	// connection instead of replying. The client sees a network error for a
-	// charge that happened; only a retry with the same key learns the result.
+	// ResetAfterChargeRate: after charging (or refunding) and storing the
+	// answer, drop the connection instead of replying. The client sees a
+	// network error for money that moved; only a retry with the same key
+	// learns the result.
 	ResetAfterChargeRate float64
 	// Error5xxRate: answer 503 before doing anything (not stored, as a load
 	// balancer in front of a real provider would).
@@ -58,29 +59,33 @@ type ProviderConfig struct {
 // Provider is the payment provider simulator: an http.Handler with
 //
 //	POST /v1/charges   charge once per Idempotency-Key
-//	GET  /v1/charges   the account's ledger
+//	POST /v1/refunds   refund (part of) a charge once per Idempotency-Key
+//	GET  /v1/charges   the account's ledger: charges and refunds
 //	GET  /healthz
 //
 // The account is the bearer token of the Authorization header ("acct_default"
-// without one); keys and charges are scoped to it.
+// without one); keys, charges and refunds are scoped to it. Refusals carry a
+// documented code ([CodeCardDeclined], [CodeChargeNotFound],
+// [CodeRefundExceedsCharge], [CodeKeyReused]).
 type Provider struct {
 	cfg   ProviderConfig
 	mux   *http.ServeMux
-	stats struct{ charges, replays, resets, errors5xx, storedErrors atomic.Int64 }
+	stats struct{ charges, refunds, replays, resets, errors5xx, storedErrors atomic.Int64 }
 }
 
 // Stats counts what a [Provider] did since it was created.
 type Stats struct {
 	Charges      int64 // charges executed (each one a ledger row)
+	Refunds      int64 // refunds executed (each one a ledger row)
 	Replays      int64 // answers replayed from a stored key
-	Resets       int64 // connections dropped after charging
+	Resets       int64 // connections dropped after charging or refunding
 	Errors5xx    int64 // injected 503s
 	StoredErrors int64 // injected 500s stored under their key
 }
 
 // Stats returns the counters.
 func (p *Provider) Stats() Stats {
-	return Stats{Charges: p.stats.charges.Load(), Replays: p.stats.replays.Load(), Resets: p.stats.resets.Load(),
+	return Stats{Charges: p.stats.charges.Load(), Refunds: p.stats.refunds.Load(), Replays: p.stats.replays.Load(), Resets: p.stats.resets.Load(),
 		Errors5xx: p.stats.errors5xx.Load(), StoredErrors: p.stats.storedErrors.Load()}
 }
 
@@ -111,7 +116,8 @@ func NewProvider(cfg ProviderConfig) (*Provider, error) {
 		return nil, errors.New("payment: durations must not be negative")
 	}
 	p := &Provider{cfg: cfg, mux: http.NewServeMux()}
-	p.mux.HandleFunc("POST /v1/charges", p.charge)
+	p.mux.HandleFunc("POST /v1/charges", func(w http.ResponseWriter, r *http.Request) { p.idempotent(w, r, "", p.executeCharge) })
+	p.mux.HandleFunc("POST /v1/refunds", func(w http.ResponseWriter, r *http.Request) { p.idempotent(w, r, "refund:", p.executeRefund) })
 	p.mux.HandleFunc("GET /v1/charges", p.ledger)
 	p.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusNoContent) })
 	return p, nil
@@ -146,7 +152,14 @@ WHERE account = $1 AND key = $2 AND state = 'in_flight' AND request_sha256 = $3
 	readKeySQL = `SELECT request_sha256, state, response_status, response_body
 FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2`
 	insertChargeSQL = `INSERT INTO payment_provider.charge (charge_id, account, idempotency_key, order_id, amount, currency)
-VALUES ($1, $2, $3, $4, $5, $6)`
+VALUES ($1, $2, $3, $4, $5, $6) RETURNING created_at`
+	// The charge row is locked so that two refunds of one charge are
+	// checked against each other's amounts.
+	lockChargeSQL = `SELECT c.order_id, c.amount, c.currency,
+  coalesce((SELECT sum(r.amount) FROM payment_provider.refund r WHERE r.charge_id = c.charge_id), 0)
+FROM payment_provider.charge c WHERE c.account = $1 AND c.charge_id = $2 FOR UPDATE`
+	insertRefundSQL = `INSERT INTO payment_provider.refund (refund_id, account, idempotency_key, charge_id, order_id, amount, currency)
+VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING created_at`
 	storeAnswerSQL = `UPDATE payment_provider.idempotency_key
 SET state = 'done', response_status = $3, response_body = $4 WHERE account = $1 AND key = $2`
 	releaseKeySQL = `DELETE FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2 AND state = 'in_flight'`
@@ -154,6 +167,8 @@ SET state = 'done', response_status = $3, response_body = $4 WHERE account = $1 
 SELECT ctid FROM payment_provider.idempotency_key WHERE created_at < now() - make_interval(secs => $1) LIMIT 5000)`
 	ledgerSQL = `SELECT charge_id, idempotency_key, order_id, amount, currency, created_at
 FROM payment_provider.charge WHERE account = $1 ORDER BY created_at, charge_id`
+	refundLedgerSQL = `SELECT refund_id, idempotency_key, charge_id, order_id, amount, currency, created_at
+FROM payment_provider.refund WHERE account = $1 ORDER BY created_at, refund_id`
 )
 
 type problem struct {
@@ -174,12 +189,20 @@ func account(r *http.Request) string {
 	return "acct_default"
 }
 
-func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
+// operation executes one request that owns its key: it validates body,
+// moves the money and stores the answer under the key in one transaction.
+// executed says whether money moved.
+type operation func(ctx context.Context, acct, key string, body []byte) (status int, answer []byte, executed bool, err error)
+
+// idempotent runs op once per (account, key): a repeat with the same body
+// gets the stored answer, another body 422, a repeat while the first runs 409.
+// scope keeps one key's charge and refund apart.
+func (p *Provider) idempotent(w http.ResponseWriter, r *http.Request, scope string, op operation) {
 	ctx := r.Context()
 	acct := account(r)
 	key := r.Header.Get(HeaderIdempotencyKey)
 	if key == "" {
-		writeJSON(w, http.StatusBadRequest, problem{"idempotency_key_missing", "charges require an Idempotency-Key header"})
+		writeJSON(w, http.StatusBadRequest, problem{"idempotency_key_missing", "this request requires an Idempotency-Key header"})
 		return
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
@@ -192,7 +215,7 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusServiceUnavailable, problem{"unavailable", "injected fault: try again"})
 		return
 	}
-	sum := sha256.Sum256(body)
+	sum := sha256.Sum256(append([]byte(scope), body...))
 
 	owned, err := p.claimKey(ctx, acct, key, sum[:])
 	if err != nil {
@@ -213,21 +236,18 @@ func (p *Provider) charge(w http.ResponseWriter, r *http.Request) {
 	if d := p.cfg.Faults.Latency; d > 0 {
 		time.Sleep(d)
 	}
-	status, answer, charged, err := p.execute(ctx, acct, key, body)
+	status, answer, executed, err := op(ctx, acct, key, body)
 	if err != nil {
-		p.cfg.Logger.Error("payment provider: execute charge", "err", err)
-		// Nothing was charged or stored: free the key for the retry.
+		p.cfg.Logger.Error("payment provider: execute", "path", r.URL.Path, "err", err)
+		// Nothing moved or was stored: free the key for the retry.
 		_, _ = p.cfg.DB.Exec(ctx, releaseKeySQL, acct, key)
 		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
 		return
 	}
-	if charged {
-		p.stats.charges.Add(1)
-	}
 	if status == http.StatusInternalServerError {
 		p.stats.storedErrors.Add(1)
 	}
-	if charged && rand.Float64() < p.cfg.Faults.ResetAfterChargeRate {
+	if executed && rand.Float64() < p.cfg.Faults.ResetAfterChargeRate {
 		p.stats.resets.Add(1)
 		dropConnection(w)
 		return
@@ -265,7 +285,7 @@ func (p *Provider) answerExisting(w http.ResponseWriter, r *http.Request, acct, 
 	case err != nil:
 		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
 	case !bytes.Equal(stored, sum):
-		writeJSON(w, http.StatusUnprocessableEntity, problem{"idempotency_key_reused",
+		writeJSON(w, http.StatusUnprocessableEntity, problem{CodeKeyReused,
 			"this Idempotency-Key was used with a different request body"})
 	case state == "in_flight":
 		writeJSON(w, http.StatusConflict, problem{"request_in_progress",
@@ -279,9 +299,9 @@ func (p *Provider) answerExisting(w http.ResponseWriter, r *http.Request, acct, 
 	}
 }
 
-// execute validates and charges in one transaction with storing the answer,
-// so a stored success always has its ledger row and vice versa.
-func (p *Provider) execute(ctx context.Context, acct, key string, body []byte) (status int, answer []byte, charged bool, err error) {
+// executeCharge validates and charges in one transaction with storing the
+// answer, so a stored success always has its ledger row and vice versa.
+func (p *Provider) executeCharge(ctx context.Context, acct, key string, body []byte) (status int, answer []byte, charged bool, err error) {
 	var req chargeBody
 	var amount decimal.Decimal
 	status = http.StatusOK
@@ -293,9 +313,9 @@ func (p *Provider) execute(ctx context.Context, acct, key string, body []byte) (
 		status, resp = http.StatusBadRequest, problem{"bad_request", "order_id and a 3-letter currency are required"}
 	default:
 		if amount, err = decimal.NewFromString(req.Amount); err != nil || !amount.IsPositive() || amount.Exponent() < -2 {
-			status, resp = http.StatusBadRequest, problem{"invalid_amount", fmt.Sprintf("amount %q is not a positive decimal with at most 2 fraction digits", req.Amount)}
+			status, resp = http.StatusBadRequest, problem{CodeInvalidAmount, fmt.Sprintf("amount %q is not a positive decimal with at most 2 fraction digits", req.Amount)}
 		} else if amount.GreaterThan(p.cfg.DeclineAbove) {
-			status, resp = http.StatusPaymentRequired, problem{"card_declined", "the card was declined"}
+			status, resp = http.StatusPaymentRequired, problem{CodeCardDeclined, "the card was declined"}
 		} else if rand.Float64() < p.cfg.Faults.StoredErrorRate {
 			status, resp = http.StatusInternalServerError, problem{"processing_error", "injected fault, stored under this key"}
 		}
@@ -303,10 +323,11 @@ func (p *Provider) execute(ctx context.Context, acct, key string, body []byte) (
 	err = pgx.BeginFunc(ctx, p.cfg.DB, func(tx pgx.Tx) error {
 		if status == http.StatusOK {
 			id := "ch_" + strings.ReplaceAll(uuid.Must(uuid.NewV7()).String(), "-", "")
-			if _, err := tx.Exec(ctx, insertChargeSQL, id, acct, key, req.OrderID, amount, req.Currency); err != nil {
+			var created time.Time
+			if err := tx.QueryRow(ctx, insertChargeSQL, id, acct, key, req.OrderID, amount, req.Currency).Scan(&created); err != nil {
 				return err
 			}
-			resp = Charge{ID: id, OrderID: req.OrderID, Amount: amount.StringFixed(2), Currency: req.Currency, Status: "succeeded"}
+			resp = Charge{ID: id, OrderID: req.OrderID, Amount: amount.StringFixed(2), Currency: req.Currency, Status: "succeeded", Created: created.UTC()}
 		}
 		var err error
 		if answer, err = json.Marshal(resp); err != nil {
@@ -315,7 +336,63 @@ func (p *Provider) execute(ctx context.Context, acct, key string, body []byte) (
 		_, err = tx.Exec(ctx, storeAnswerSQL, acct, key, status, answer)
 		return err
 	})
-	return status, answer, err == nil && status == http.StatusOK, err
+	charged = err == nil && status == http.StatusOK
+	if charged {
+		p.stats.charges.Add(1)
+	}
+	return status, answer, charged, err
+}
+
+// executeRefund refunds (part of) a charge of the account: never more than
+// what is left of it, and only a charge that exists.
+func (p *Provider) executeRefund(ctx context.Context, acct, key string, body []byte) (status int, answer []byte, refunded bool, err error) {
+	var req refundBody
+	var amount decimal.Decimal
+	status = http.StatusOK
+	var resp any
+	switch {
+	case json.Unmarshal(body, &req) != nil || req.ChargeID == "":
+		status, resp = http.StatusBadRequest, problem{"bad_request", "body is not a refund: charge_id and amount are required"}
+	default:
+		if amount, err = decimal.NewFromString(req.Amount); err != nil || !amount.IsPositive() || amount.Exponent() < -2 {
+			status, resp = http.StatusBadRequest, problem{CodeInvalidAmount, fmt.Sprintf("amount %q is not a positive decimal with at most 2 fraction digits", req.Amount)}
+			err = nil
+		}
+	}
+	err = pgx.BeginFunc(ctx, p.cfg.DB, func(tx pgx.Tx) error {
+		if status == http.StatusOK {
+			var orderID, currency string
+			var charged, refundedSoFar decimal.Decimal
+			err := tx.QueryRow(ctx, lockChargeSQL, acct, req.ChargeID).Scan(&orderID, &charged, &currency, &refundedSoFar)
+			switch {
+			case errors.Is(err, pgx.ErrNoRows):
+				status, resp = http.StatusNotFound, problem{CodeChargeNotFound, fmt.Sprintf("no charge %s in this account", req.ChargeID)}
+			case err != nil:
+				return err
+			case refundedSoFar.Add(amount).GreaterThan(charged):
+				status, resp = http.StatusUnprocessableEntity, problem{CodeRefundExceedsCharge,
+					fmt.Sprintf("refund of %s exceeds what is left of charge %s (%s of %s)", amount.StringFixed(2), req.ChargeID, charged.Sub(refundedSoFar).StringFixed(2), charged.StringFixed(2))}
+			default:
+				id := "re_" + strings.ReplaceAll(uuid.Must(uuid.NewV7()).String(), "-", "")
+				var created time.Time
+				if err := tx.QueryRow(ctx, insertRefundSQL, id, acct, key, req.ChargeID, orderID, amount, currency).Scan(&created); err != nil {
+					return err
+				}
+				resp = Refund{ID: id, ChargeID: req.ChargeID, OrderID: orderID, Amount: amount.StringFixed(2), Currency: currency, Status: "succeeded", Created: created.UTC()}
+			}
+		}
+		var err error
+		if answer, err = json.Marshal(resp); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, storeAnswerSQL, acct, key, status, answer)
+		return err
+	})
+	refunded = err == nil && status == http.StatusOK
+	if refunded {
+		p.stats.refunds.Add(1)
+	}
+	return status, answer, refunded, err
 }
 
 // dropConnection closes the TCP connection without an answer, with a reset
@@ -345,39 +422,82 @@ type LedgerEntry struct {
 	CreatedAt      time.Time `json:"created_at"`
 }
 
-// Ledger is the answer of GET /v1/charges.
+// RefundEntry is one refund in the ledger.
+type RefundEntry struct {
+	RefundID       string    `json:"refund_id"`
+	IdempotencyKey string    `json:"idempotency_key"`
+	ChargeID       string    `json:"charge_id"`
+	OrderID        string    `json:"order_id"`
+	Amount         string    `json:"amount"`
+	Currency       string    `json:"currency"`
+	CreatedAt      time.Time `json:"created_at"`
+}
+
+// Ledger is the answer of GET /v1/charges: the account's charges and refunds.
 type Ledger struct {
-	Charges []LedgerEntry     `json:"charges"`
-	Count   int               `json:"count"`
-	Totals  map[string]string `json:"totals"` // per currency
+	Charges      []LedgerEntry     `json:"charges"`
+	Count        int               `json:"count"`
+	Totals       map[string]string `json:"totals"` // charged, per currency
+	Refunds      []RefundEntry     `json:"refunds"`
+	RefundCount  int               `json:"refund_count"`
+	RefundTotals map[string]string `json:"refund_totals"` // refunded, per currency
 }
 
 func (p *Provider) ledger(w http.ResponseWriter, r *http.Request) {
-	rows, err := p.cfg.DB.Query(r.Context(), ledgerSQL, account(r))
+	l, err := p.readLedger(r.Context(), account(r))
 	if err != nil {
-		writeJSON(w, http.StatusInternalServerError, problem{"internal", "storage unavailable"})
+		writeJSON(w, http.StatusInternalServerError, problem{"internal", err.Error()})
 		return
 	}
-	l := Ledger{Charges: []LedgerEntry{}, Totals: map[string]string{}}
+	writeJSON(w, http.StatusOK, l)
+}
+
+func (p *Provider) readLedger(ctx context.Context, acct string) (Ledger, error) {
+	l := Ledger{Charges: []LedgerEntry{}, Totals: map[string]string{}, Refunds: []RefundEntry{}, RefundTotals: map[string]string{}}
+	rows, err := p.cfg.DB.Query(ctx, ledgerSQL, acct)
+	if err != nil {
+		return l, err
+	}
 	totals := map[string]decimal.Decimal{}
 	for rows.Next() {
 		var e LedgerEntry
 		var amount decimal.Decimal
 		if err := rows.Scan(&e.ChargeID, &e.IdempotencyKey, &e.OrderID, &amount, &e.Currency, &e.CreatedAt); err != nil {
-			writeJSON(w, http.StatusInternalServerError, problem{"internal", err.Error()})
-			return
+			rows.Close()
+			return l, err
 		}
 		e.Amount = amount.StringFixed(2)
 		totals[e.Currency] = totals[e.Currency].Add(amount)
 		l.Charges = append(l.Charges, e)
 	}
-	if rows.Err() != nil {
-		writeJSON(w, http.StatusInternalServerError, problem{"internal", rows.Err().Error()})
-		return
+	if err := rows.Err(); err != nil {
+		return l, err
 	}
-	l.Count = len(l.Charges)
+	rows, err = p.cfg.DB.Query(ctx, refundLedgerSQL, acct)
+	if err != nil {
+		return l, err
+	}
+	refunds := map[string]decimal.Decimal{}
+	for rows.Next() {
+		var e RefundEntry
+		var amount decimal.Decimal
+		if err := rows.Scan(&e.RefundID, &e.IdempotencyKey, &e.ChargeID, &e.OrderID, &amount, &e.Currency, &e.CreatedAt); err != nil {
+			rows.Close()
+			return l, err
+		}
+		e.Amount = amount.StringFixed(2)
+		refunds[e.Currency] = refunds[e.Currency].Add(amount)
+		l.Refunds = append(l.Refunds, e)
+	}
+	if err := rows.Err(); err != nil {
+		return l, err
+	}
+	l.Count, l.RefundCount = len(l.Charges), len(l.Refunds)
 	for c, t := range totals {
 		l.Totals[c] = t.StringFixed(2)
 	}
-	writeJSON(w, http.StatusOK, l)
+	for c, t := range refunds {
+		l.RefundTotals[c] = t.StringFixed(2)
+	}
+	return l, nil
 }
