@@ -87,9 +87,9 @@ ON CONFLICT (order_id) DO NOTHING`
 	// provider is called; the first event of an order owns it.
 	claimIntentSQL = `INSERT INTO billing.charge_intents (order_id, event_id, idempotency_key) VALUES ($1, $2, $3)
 ON CONFLICT (order_id) DO NOTHING`
-	intentOfOrderSQL  = `SELECT event_id, idempotency_key FROM billing.charge_intents WHERE order_id = $1`
-	refundOfOrderSQL  = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
-	recordRefundSQL   = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency) VALUES ($1, $2, $3, $4, $5, $6)`
+	intentOfOrderSQL = `SELECT event_id, idempotency_key FROM billing.charge_intents WHERE order_id = $1`
+	refundOfOrderSQL = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
+	recordRefundSQL  = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency) VALUES ($1, $2, $3, $4, $5, $6)`
 )
 
 // OnConfirmed charges an order.confirmed.v1 event's total: a
