@@ -6,10 +6,18 @@
 #                         a client can list topics, print the bootstrap address
 #   dev/kafka.sh stop     stop the broker this script started (by its PID file)
 #   dev/kafka.sh status   say whether it runs
+#   dev/kafka.sh kill     kill -9 the broker (a crash); start recovers its data
 #   dev/kafka.sh tool CLASS ARGS...   run a Kafka tool class on the broker's classpath
 #
+#   dev/kafka.sh cluster start|stop|status    a three-broker KRaft cluster (each
+#                         broker also a controller; replication factor 3,
+#                         min.insync.replicas 2), printing its bootstrap list
+#   dev/kafka.sh cluster kill N|start N       kill -9 broker N (1-3), start it again
+#
 # Settings: ONCE_KAFKA_PORT (19092), ONCE_KAFKA_CONTROLLER_PORT (19093),
-# ONCE_DEV_DIR (.dev in the repository), ONCE_KAFKA_HEAP (512m).
+# ONCE_DEV_DIR (.dev in the repository), ONCE_KAFKA_HEAP (512m); the cluster:
+# ONCE_KAFKA_CLUSTER_PORT (19192: brokers on 19192, 19194, 19196, controllers
+# one above each), ONCE_KAFKA_CLUSTER_HEAP (256m).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -144,10 +152,149 @@ stop() {
 	log "stopped (pid $pid)"
 }
 
+kill_broker() {
+	local pid
+	if ! pid=$(running_pid); then
+		log "not running"
+		exit 1
+	fi
+	kill -9 "$pid"
+	for _ in $(seq 1 50); do
+		kill -0 "$pid" 2>/dev/null || break
+		sleep 0.1
+	done
+	log "killed (pid $pid)"
+}
+
+# --- the three-broker cluster -------------------------------------------
+cbase=${ONCE_KAFKA_CLUSTER_PORT:-19192}
+cheap=${ONCE_KAFKA_CLUSTER_HEAP:-256m}
+cdir=$dev_dir/kafka-cluster
+cport() { echo $((cbase + 2 * ($1 - 1))); }
+ccport() { echo $((cbase + 2 * ($1 - 1) + 1)); }
+cbootstrap() { echo "127.0.0.1:$(cport 1),127.0.0.1:$(cport 2),127.0.0.1:$(cport 3)"; }
+
+cluster_config() { # node
+	local n=$1 voters="1@127.0.0.1:$(ccport 1),2@127.0.0.1:$(ccport 2),3@127.0.0.1:$(ccport 3)"
+	mkdir -p "$cdir/$n/data"
+	cat >"$cdir/$n/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=$n
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://127.0.0.1:$(cport "$n"),CONTROLLER://127.0.0.1:$(ccport "$n")
+advertised.listeners=PLAINTEXT://127.0.0.1:$(cport "$n")
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$cdir/$n/data
+num.partitions=3
+default.replication.factor=3
+min.insync.replicas=2
+offsets.topic.num.partitions=4
+offsets.topic.replication.factor=3
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+unclean.leader.election.enable=false
+PROPS
+}
+
+cluster_pid() { # node
+	local f=$cdir/$1/kafka.pid pid
+	[[ -f $f ]] || return 1
+	pid=$(cat "$f")
+	if kill -0 "$pid" 2>/dev/null && grep -q kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null; then
+		echo "$pid"
+		return 0
+	fi
+	rm -f "$f"
+	return 1
+}
+
+cluster_start_node() { # node
+	local n=$1
+	if cluster_pid "$n" >/dev/null; then return; fi
+	setsid java -Xms"$cheap" -Xmx"$cheap" -XX:+UseG1GC -XX:TieredStopAtLevel=1 \
+		-Dorg.slf4j.simpleLogger.defaultLogLevel=warn \
+		-cp "$lib/*" kafka.Kafka "$cdir/$n/server.properties" \
+		</dev/null >"$cdir/$n/kafka.log" 2>&1 &
+	echo $! >"$cdir/$n/kafka.pid"
+}
+
+cluster_ready() {
+	java_run org.apache.kafka.tools.TopicCommand --bootstrap-server "$(cbootstrap)" --list >/dev/null 2>&1
+}
+
+cluster() {
+	case ${1:-} in
+	start)
+		resolve_jars
+		local n cluster_id
+		for n in 1 2 3; do cluster_config "$n"; done
+		if [[ ! -f $cdir/1/data/meta.properties ]]; then
+			cluster_id=$(java_run kafka.tools.StorageTool random-uuid)
+			for n in 1 2 3; do
+				java_run kafka.tools.StorageTool format --ignore-formatted -t "$cluster_id" -c "$cdir/$n/server.properties" \
+					>"$cdir/$n/format.log" 2>&1 || { log "formatting node $n failed:"; cat "$cdir/$n/format.log" >&2; exit 1; }
+			done
+		fi
+		local t0=$SECONDS
+		for n in 1 2 3; do cluster_start_node "$n"; done
+		for _ in $(seq 1 180); do
+			if cluster_ready; then
+				log "cluster ready in $((SECONDS - t0))s"
+				cbootstrap
+				return
+			fi
+			sleep 1
+		done
+		log "cluster not ready after 180s; see $cdir/*/kafka.log"
+		cluster stop
+		exit 1
+		;;
+	stop)
+		local n pid
+		for n in 1 2 3; do
+			if pid=$(cluster_pid "$n"); then
+				kill "$pid"
+				for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+				kill -9 "$pid" 2>/dev/null || true
+				rm -f "$cdir/$n/kafka.pid"
+			fi
+		done
+		log "cluster stopped"
+		;;
+	kill)
+		local pid
+		pid=$(cluster_pid "${2:?node 1-3}") || { log "node $2 not running"; exit 1; }
+		kill -9 "$pid"
+		for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+		rm -f "$cdir/$2/kafka.pid"
+		log "node $2 killed (pid $pid)"
+		;;
+	start-node)
+		cluster_start_node "${2:?node 1-3}"
+		log "node $2 starting"
+		;;
+	status)
+		local n up=0
+		for n in 1 2 3; do cluster_pid "$n" >/dev/null && up=$((up + 1)); done
+		echo "$up of 3 brokers running on $(cbootstrap)"
+		[[ $up -gt 0 ]]
+		;;
+	*) echo "usage: $0 cluster start|stop|status|kill N|start-node N" >&2; exit 2 ;;
+	esac
+}
+
 case ${1:-} in
 start) start ;;
 stop) stop ;;
+kill) kill_broker ;;
+cluster) shift; cluster "$@" ;;
 status) if pid=$(running_pid); then echo "running (pid $pid) on $bootstrap"; else echo "not running"; exit 1; fi ;;
 tool) shift; resolve_jars; java_run "$@" ;;
-*) echo "usage: $0 start|stop|status|tool CLASS ARGS..." >&2; exit 2 ;;
+*) echo "usage: $0 start|stop|status|kill|tool CLASS ARGS...|cluster ..." >&2; exit 2 ;;
 esac

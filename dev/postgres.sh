@@ -5,6 +5,8 @@
 #   dev/postgres.sh start   initdb once, start, wait, create the database, print its URL
 #   dev/postgres.sh stop    stop the cluster this script started
 #   dev/postgres.sh restart restart it (fast shutdown: every connection is cut)
+#   dev/postgres.sh kill    kill -9 the postmaster and every backend: a crash,
+#                           without the shutdown checkpoint; start recovers
 #   dev/postgres.sh status
 #
 # Settings: ONCE_PG_PORT (15432), ONCE_DEV_DIR (.dev in the repository).
@@ -71,7 +73,7 @@ start() {
 			exit 1
 		fi
 		as_owner "$bin/pg_ctl" -D "$data" -l "$pgdir/postgres.log" -w -t 60 start \
-			-o "-c listen_addresses=127.0.0.1 -p $port -k $pgdir -c max_connections=200 -c fsync=off -c synchronous_commit=off -c full_page_writes=off" >/dev/null
+			-o "-c listen_addresses=127.0.0.1 -p $port -k $pgdir -c max_connections=200 -c fsync=off -c full_page_writes=off" >/dev/null
 		log "started on 127.0.0.1:$port"
 	fi
 	if ! as_owner "$bin/psql" -h 127.0.0.1 -p "$port" -U once -d postgres -tAc "select 1 from pg_database where datname='$db'" | grep -q 1; then
@@ -88,6 +90,21 @@ stop() {
 	log "stopped"
 }
 
+# kill is a crash: no checkpoint, no WAL flushed on the way down. Commits that
+# returned are in the WAL (synchronous_commit is on; fsync is off, which only
+# matters when the machine itself goes down), and recovery replays them.
+kill_cluster() {
+	local pid
+	pid=$(running_pid) || { log "not running"; exit 1; }
+	pkill -9 -P "$pid" 2>/dev/null || true
+	kill -9 "$pid"
+	for _ in $(seq 1 50); do
+		kill -0 "$pid" 2>/dev/null || break
+		sleep 0.1
+	done
+	log "killed (pid $pid and its backends)"
+}
+
 restart() {
 	local bin
 	bin=$(bindir)
@@ -99,7 +116,8 @@ restart() {
 case ${1:-} in
 start) start ;;
 restart) restart ;;
+kill) kill_cluster ;;
 stop) stop ;;
 status) if pid=$(running_pid); then echo "running (pid $pid) at $url"; else echo "not running"; exit 1; fi ;;
-*) echo "usage: $0 start|stop|restart|status" >&2; exit 2 ;;
+*) echo "usage: $0 start|stop|restart|kill|status" >&2; exit 2 ;;
 esac

@@ -3,8 +3,8 @@ package testenv
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -17,10 +17,39 @@ import (
 // closes them at once: to pgx that is the database being unreachable, over a
 // real network connection.
 type Proxy struct {
-	ln   net.Listener
-	down atomic.Bool
-	mu   sync.Mutex
-	open []net.Conn
+	ln        net.Listener
+	down      atomic.Bool
+	blackHole atomic.Bool
+	swallowed atomic.Int64
+	mu        sync.Mutex
+	open      []net.Conn
+}
+
+// BlackHole makes the proxy swallow every byte in both directions while the
+// connections stay open (true), as a network that silently drops packets
+// would, or forward again (false).
+func (p *Proxy) BlackHole(on bool) { p.blackHole.Store(on) }
+
+// Swallowed reports whether the black hole ate any bytes.
+func (p *Proxy) Swallowed() bool { return p.swallowed.Load() > 0 }
+
+// pipe copies src to dst, or swallows what src sends while the black hole is on.
+func (p *Proxy) pipe(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if p.blackHole.Load() {
+				p.swallowed.Add(int64(n))
+			} else if _, werr := dst.Write(buf[:n]); werr != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
+	dst.Close()
 }
 
 // Down makes the database unreachable (true) or reachable again (false).
@@ -68,8 +97,8 @@ func newProxy(t testing.TB, target string) *Proxy {
 			p.mu.Lock()
 			p.open = append(p.open, c, s)
 			p.mu.Unlock()
-			go func() { _, _ = io.Copy(s, c); s.Close() }()
-			go func() { _, _ = io.Copy(c, s); c.Close() }()
+			go p.pipe(s, c)
+			go p.pipe(c, s)
 		}
 	}()
 	return p
@@ -90,4 +119,14 @@ func ProxiedPostgres(t testing.TB, direct *pgxpool.Pool) (*pgxpool.Pool, *Proxy)
 	}
 	t.Cleanup(pool.Close)
 	return pool, p
+}
+
+// URL is databaseURL with its host and port replaced by the proxy's.
+func (p *Proxy) URL(databaseURL string) string {
+	u, err := url.Parse(databaseURL)
+	if err != nil {
+		return databaseURL
+	}
+	u.Host = p.ln.Addr().String()
+	return u.String()
 }

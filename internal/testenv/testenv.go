@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -30,8 +31,33 @@ func need(t testing.TB, name string) string {
 	if os.Getenv("ONCE_REQUIRE_SERVICES") != "" {
 		t.Fatalf("%s is not set, but ONCE_REQUIRE_SERVICES is: the services were not started", name)
 	}
+	announceSkip(t, name)
 	t.Skipf("%s is not set: run the suite with dev/test.sh, which starts real Kafka and PostgreSQL", name)
 	return ""
+}
+
+var skipOnce sync.Once
+
+// announceSkip says, once per package and loudly, that its integration tests
+// did not run: go test prints "ok" for a package whose tests all skipped, and
+// hides what they logged. The line goes to the terminal when there is one,
+// which go test does not capture.
+func announceSkip(t testing.TB, name string) {
+	skipOnce.Do(func() {
+		out := os.Stderr
+		if tty, err := os.OpenFile("/dev/tty", os.O_WRONLY, 0); err == nil {
+			defer tty.Close()
+			out = tty
+		}
+		fmt.Fprintf(out, "*** %s: integration tests SKIPPED, %s is not set; run dev/test.sh, which starts Kafka and PostgreSQL ***\n", packageOf(t), name)
+	})
+}
+
+func packageOf(t testing.TB) string {
+	if wd, err := os.Getwd(); err == nil {
+		return filepath.Base(filepath.Dir(wd)) + "/" + filepath.Base(wd)
+	}
+	return t.Name()
 }
 
 var migrateOnce sync.Once
@@ -83,6 +109,12 @@ func Topic(t testing.TB, brokers []string, partitions int32) string {
 
 // Admin returns a cluster admin closed with the test.
 func Admin(t testing.TB, brokers []string) sarama.ClusterAdmin {
+	t.Helper()
+	return AdminOn(t, brokers)
+}
+
+// AdminOn is Admin on any brokers.
+func AdminOn(t testing.TB, brokers []string) sarama.ClusterAdmin {
 	t.Helper()
 	admin, err := sarama.NewClusterAdmin(brokers, saramaConfig())
 	if err != nil {
