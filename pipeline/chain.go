@@ -143,7 +143,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, owners *sessions) 
 				revoked := owners.revoked(msg)
 				wait := p.cfg.HoldBackoff
 				for attempt := 1; ; attempt++ {
-					perr := p.letters.Park(context.WithoutCancel(msg.Context()), g.db, letter)
+					perr := p.park(msg, g.db, letter, revoked)
 					if perr == nil {
 						break
 					}
@@ -162,6 +162,24 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, owners *sessions) 
 			return nil, nil
 		}
 	}
+}
+
+// park writes a dead letter in a transaction of its own, bounded by the
+// statement timeout and by the partition's revocation: a silent database
+// cannot hold the partition up here either.
+func (p *Pipeline) park(msg *message.Message, db DB, letter dlq.Letter, revoked <-chan struct{}) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.StatementTimeout)
+	defer cancel()
+	if revoked != nil {
+		go func() {
+			select {
+			case <-revoked:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+	}
+	return p.letters.Park(ctx, db, letter)
 }
 
 // letter is a message's dead letter, with Watermill's poison-queue headers:
@@ -234,12 +252,10 @@ func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.D
 	if isClosed(revoked) {
 		return ErrRevoked
 	}
-	// The router closing ends the message context; so may a team's
-	// timeout, which must not turn the wait into a busy loop.
-	var msgDone <-chan struct{}
-	if msg.Context().Err() == nil {
-		msgDone = msg.Context().Done()
+	if msg.Context().Err() != nil {
+		return errMessageContextDone
 	}
+	msgDone := msg.Context().Done()
 	timer := time.NewTimer(d)
 	defer timer.Stop()
 	select {
@@ -252,15 +268,23 @@ func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.D
 		if p.stopped(msg) {
 			return errShutdown
 		}
+		// A team's middleware (a Watermill Timeout in Observe) ended it:
+		// every attempt on it would fail. Give it back unacknowledged; the
+		// subscriber resends it with a fresh context.
+		return errMessageContextDone
 	}
 	return nil
 }
 
-// attempt runs the rest of the chain once, on a context that is cancelled
-// when the partition is revoked.
+// errMessageContextDone gives a message back for redelivery: its context
+// ended while the pipeline runs on.
+var errMessageContextDone = errors.New("pipeline: the message context ended (a middleware's timeout?); redelivering it")
+
+// attempt runs the rest of the chain once, on a context that ends after
+// AttemptTimeout or when the partition is revoked.
 func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, revoked <-chan struct{}) ([]*message.Message, error) {
 	parent := msg.Context()
-	ctx, cancel := context.WithCancel(parent)
+	ctx, cancel := context.WithTimeout(parent, p.cfg.AttemptTimeout)
 	defer cancel()
 	if revoked != nil {
 		go func() {

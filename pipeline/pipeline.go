@@ -55,6 +55,15 @@ type Config struct {
 	HoldBackoff    time.Duration
 	HoldMaxBackoff time.Duration
 
+	// AttemptTimeout bounds one attempt of a message, the handler included:
+	// an attempt stuck on a database or provider that went silent ends, rolls
+	// back, and the message is held and tried again. Keep it above the
+	// handler's own longest retries. Default: 2m.
+	AttemptTimeout time.Duration
+	// StatementTimeout bounds each statement of the claim itself (see
+	// idempotency.Config). Default: 30s.
+	StatementTimeout time.Duration
+
 	// SessionTimeout of the consumer-group membership: how long the broker
 	// waits for a crashed member before giving its partitions to others; the
 	// broker allows 6s at least. Default: sarama's 10s.
@@ -142,6 +151,12 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
 	}
+	if c.AttemptTimeout == 0 {
+		c.AttemptTimeout = 2 * time.Minute
+	}
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = 30 * time.Second
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -171,7 +186,8 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if c.CommitMode != CommitInterval && c.CommitMode != CommitSync {
 		errs = append(errs, fmt.Errorf("pipeline: CommitMode %q: want %q or %q", c.CommitMode, CommitInterval, CommitSync))
 	}
-	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 {
+	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 ||
+		c.AttemptTimeout < 0 || c.StatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
 	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
@@ -313,7 +329,12 @@ func (p *Pipeline) Run(ctx context.Context) error {
 	}()
 
 	var wg sync.WaitGroup
-	defer wg.Wait()
+	// The router may stop by itself (every handler stopped, a subscription
+	// failed): the drainers and forwarders stop with it, before Run returns.
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
 	for _, db := range p.dbs {
 		wg.Go(func() {
 			p.letters.Drain(runCtx, dlq.DrainConfig{DB: db, Producer: p.producer, Logger: p.cfg.Logger})
@@ -389,17 +410,18 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	p.closers = append(p.closers, sub.Close)
 
 	idem, err := idempotency.New(idempotency.Config{
-		DB:            g.db,
-		ConsumerGroup: g.name,
-		Key:           decodedKey,
-		Schema:        cfg.Schema.Schema,
-		Table:         cfg.Schema.ClaimTable,
-		MaxEventAge:   cfg.MaxEventAge,
-		MaxClockSkew:  cfg.MaxClockSkew,
-		TooOld:        g.tooOld,
-		OnResult:      cfg.OnResult,
-		Logger:        cfg.Logger,
-		LogAttrs:      kafkaLogAttrs,
+		DB:               g.db,
+		ConsumerGroup:    g.name,
+		Key:              decodedKey,
+		Schema:           cfg.Schema.Schema,
+		Table:            cfg.Schema.ClaimTable,
+		MaxEventAge:      cfg.MaxEventAge,
+		MaxClockSkew:     cfg.MaxClockSkew,
+		TooOld:           g.tooOld,
+		StatementTimeout: cfg.StatementTimeout,
+		OnResult:         cfg.OnResult,
+		Logger:           cfg.Logger,
+		LogAttrs:         kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
 			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
 		},

@@ -264,3 +264,53 @@ func TestLateConfigErrorsAreCaughtUpFrontAndTheTeamsRouterStaysOpen(t *testing.T
 		t.Fatalf("New took %s and closed the team's router: %v", time.Since(start), router.IsClosed())
 	}
 }
+
+// When its router stops by itself (a team closes it), Run returns: its
+// dead-letter drainers and outbox forwarders stop with it.
+func TestRunReturnsWhenTheRouterStops(t *testing.T) {
+	e := newEnv(t, 1)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config(group(&recorder{group: uniqueGroup("router-stops")}))
+	cfg.Router = router
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- p.Run(context.Background()) }()
+	<-p.Running()
+	if err := router.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("Run still blocked 15s after its router stopped")
+	}
+}
+
+// A Watermill Timeout a team puts in the Observe slot may end the message
+// context; the message is then given back and delivered again with a fresh
+// one, not held forever on a context that fails every attempt.
+func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
+	e := newEnv(t, 1)
+	var slow atomic.Bool
+	slow.Store(true)
+	r := &recorder{group: uniqueGroup("observe-timeout"), fail: func(order.Confirmed) error {
+		if slow.CompareAndSwap(true, false) {
+			time.Sleep(300 * time.Millisecond) // past the team's 200ms timeout, once
+			return errors.New("too slow")
+		}
+		return nil
+	}}
+	g := group(r)
+	g.Extra.Observe = []message.HandlerMiddleware{middleware.Timeout(200 * time.Millisecond)}
+	cfg := e.config(g)
+	cfg.HoldBackoff = 10 * time.Millisecond
+	run(t, cfg)
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the event processed after its timed-out attempt", func() bool { return effects(t, e.pool, r.group) == 1 })
+}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -79,8 +81,10 @@ func (k *kafkaSettings) ensureTopics(ctx context.Context) error {
 }
 
 type dbSettings struct {
-	DatabaseURL string `name:"database-url" env:"DATABASE_URL" required:"" help:"PostgreSQL connection URL."`
-	MaxConns    int32  `name:"db-max-conns" env:"ONCE_DB_MAX_CONNS" default:"20" help:"Connections in the pool."`
+	DatabaseURL      string        `name:"database-url" env:"DATABASE_URL" required:"" help:"PostgreSQL connection URL (TLS: sslmode=verify-full&sslrootcert=...)."`
+	MaxConns         int32         `name:"db-max-conns" env:"ONCE_DB_MAX_CONNS" default:"20" help:"Connections in the pool."`
+	ConnectTimeout   time.Duration `name:"db-connect-timeout" env:"ONCE_DB_CONNECT_TIMEOUT" default:"5s" help:"Bound on opening a connection to PostgreSQL."`
+	StatementTimeout time.Duration `name:"db-statement-timeout" env:"ONCE_DB_STATEMENT_TIMEOUT" default:"30s" help:"Bound on one statement: enforced by the server (statement_timeout) and, for the claim's own statements, by the client, so that a database that went silent cannot hold a message."`
 }
 
 func (d *dbSettings) Validate() error {
@@ -94,6 +98,9 @@ func (d *dbSettings) Validate() error {
 	if d.MaxConns < 2 {
 		return fmt.Errorf("--db-max-conns (ONCE_DB_MAX_CONNS) must be at least 2, got %d", d.MaxConns)
 	}
+	if d.ConnectTimeout <= 0 || d.StatementTimeout <= 0 {
+		return fmt.Errorf("--db-connect-timeout (ONCE_DB_CONNECT_TIMEOUT) and --db-statement-timeout (ONCE_DB_STATEMENT_TIMEOUT) must be positive")
+	}
 	return nil
 }
 
@@ -105,6 +112,14 @@ func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
 	}
 	cfg.MaxConns = d.MaxConns
+	if d.ConnectTimeout > 0 {
+		cfg.ConnConfig.ConnectTimeout = d.ConnectTimeout
+	}
+	if d.StatementTimeout > 0 {
+		if _, set := cfg.ConnConfig.RuntimeParams["statement_timeout"]; !set {
+			cfg.ConnConfig.RuntimeParams["statement_timeout"] = strconv.FormatInt(d.StatementTimeout.Milliseconds(), 10)
+		}
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
@@ -167,7 +182,7 @@ func (d *dbSettings) groupPools(ctx context.Context, dp deps, main *pgxpool.Pool
 			continue
 		}
 		if byURL[url] == nil {
-			own := dbSettings{DatabaseURL: url, MaxConns: d.MaxConns}
+			own := dbSettings{DatabaseURL: url, MaxConns: d.MaxConns, ConnectTimeout: d.ConnectTimeout, StatementTimeout: d.StatementTimeout}
 			p, err := own.open(ctx, dp, migrateFirst)
 			if err != nil {
 				g.close()

@@ -26,8 +26,17 @@ import (
 //
 // processed_at defaults to now(), the transaction's start on the database's
 // clock: the dedup horizon is checked against it.
+//
+// The same statement makes the transaction's commit durable before it
+// returns, whatever the server, database or role default: with
+// synchronous_commit off, a commit returns before its WAL is flushed, the
+// offset moves on, and a database crash then erases an effect whose message
+// was acknowledged. It only raises "off" to "local" and leaves every stronger
+// setting (on, remote_write, remote_apply) as it is; set_config(..., true)
+// lasts for this transaction only, and riding on the claim costs no round trip.
 const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-VALUES ($1, $2, $3)
+SELECT $1, $2, $3 FROM (SELECT set_config('synchronous_commit',
+    CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true)) AS durable
 ON CONFLICT (event_id, consumer_group) DO NOTHING
 RETURNING processed_at`
 
@@ -68,6 +77,13 @@ type Config struct {
 	// SerializationRetries bounds those retries of 40001 and deadlocks.
 	// Default: 10.
 	SerializationRetries int
+
+	// StatementTimeout bounds each of the middleware's own statements (begin,
+	// claim, reading a claim) on the client's side: a database that went
+	// silent (a network black hole) answers nothing and would hold an attempt
+	// for as long as TCP does. The handler's statements are bounded by the
+	// router (pipeline.Config.AttemptTimeout). Default: 30s.
+	StatementTimeout time.Duration
 
 	// FinishTimeout bounds commit and rollback. They run on a context detached
 	// from the message's, because Watermill cancels in-flight message contexts
@@ -128,6 +144,9 @@ func (c *Config) setDefaults() {
 	if c.SerializationRetries == 0 {
 		c.SerializationRetries = 10
 	}
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = 30 * time.Second
+	}
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = 10 * time.Second
 	}
@@ -163,8 +182,8 @@ func (c Config) Validate() error {
 	if c.SerializationRetries < 0 {
 		errs = append(errs, errors.New("idempotency: Config.SerializationRetries must not be negative"))
 	}
-	if c.FinishTimeout < 0 {
-		errs = append(errs, errors.New("idempotency: Config.FinishTimeout must not be negative"))
+	if c.FinishTimeout < 0 || c.StatementTimeout < 0 {
+		errs = append(errs, errors.New("idempotency: Config.FinishTimeout and Config.StatementTimeout must not be negative"))
 	}
 	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
 		errs = append(errs, errors.New("idempotency: Config.MaxEventAge and Config.MaxClockSkew must not be negative"))
@@ -327,7 +346,9 @@ func uuidV7Time(id uuid.UUID) time.Time {
 // leaves no claim behind before it unwinds to the recoverer.
 func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sum []byte) (_ Outcome, _ []*message.Message, err error) {
 	msgCtx := msg.Context()
-	tx, err := m.cfg.DB.BeginTx(msgCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
+	stmtCtx, cancel := context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
+	defer cancel()
+	tx, err := m.cfg.DB.BeginTx(stmtCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
 	if err != nil {
 		return 0, nil, fmt.Errorf("idempotency: begin transaction: %w", err)
 	}
@@ -339,10 +360,12 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	}()
 
 	var claimedAt time.Time
-	err = tx.QueryRow(msgCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum).Scan(&claimedAt)
+	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
+	defer cancel()
+	err = tx.QueryRow(stmtCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum).Scan(&claimedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
-		if err := tx.QueryRow(msgCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
+		if err := tx.QueryRow(stmtCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
 			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 		}
 		if !bytes.Equal(stored, sum) {

@@ -452,3 +452,128 @@ type verdict struct{ permanent bool }
 
 func (v verdict) Error() string   { return fmt.Sprintf("verdict (permanent %v)", v.permanent) }
 func (v verdict) Permanent() bool { return v.permanent }
+
+// A commit must be durable before its message is acknowledged, whatever the
+// server, database or role default: the claim raises synchronous_commit
+// "off" to "local" for its transaction, and leaves a stronger setting alone.
+func TestClaimTransactionIsDurableWhateverTheDefault(t *testing.T) {
+	direct := setup(t)
+	for server, want := range map[string]string{"off": "local", "local": "local", "on": "on", "remote_apply": "remote_apply"} {
+		cfg := direct.Config().Copy()
+		cfg.ConnConfig.RuntimeParams["synchronous_commit"] = server
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+		_, msg := newEvent(t)
+		_, err = m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			tx, _ := idempotency.TxFromContext(msg.Context())
+			return nil, tx.QueryRow(msg.Context(), `SHOW synchronous_commit`).Scan(&got)
+		})(msg)
+		if err != nil || got != want {
+			t.Errorf("server default %s: the claim's transaction ran with %q (%v), want %q", server, got, err, want)
+		}
+		var after string
+		if err := pool.QueryRow(context.Background(), `SHOW synchronous_commit`).Scan(&after); err != nil || after != server {
+			t.Errorf("server default %s: the session kept %q after the transaction, want it untouched", server, after)
+		}
+		pool.Close()
+	}
+}
+
+// Every failure of the database that is not about the message's values holds
+// the message: a read-only database (a failover), a full disk, no memory, too
+// many connections, an administrator's shutdown, a crash, a statement or lock
+// timeout.
+func TestDatabaseFailuresAreNotPermanent(t *testing.T) {
+	pool := setup(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+	for _, code := range []string{"25006", "53100", "53200", "53300", "57P01", "57P02", "57P03", "57014", "55P03", "08006", "40001", "40P01", "42P01"} {
+		_, msg := newEvent(t)
+		_, err := m.Middleware(func(*message.Message) ([]*message.Message, error) {
+			return nil, fmt.Errorf("handler: %w", &pgconn.PgError{Code: code, Message: "simulated"})
+		})(msg)
+		if err == nil || idempotency.IsPermanent(err) {
+			t.Errorf("SQLSTATE %s: got %v; want an error that is not permanent", code, err)
+		}
+	}
+	// And for real: a read-only transaction refuses the claim itself (25006).
+	cfg := pool.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	ro, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	_, msg := newEvent(t)
+	_, err = newMiddleware(t, idempotency.Config{DB: ro, ConsumerGroup: uniqueGroup(t, "g")}).Middleware(recordEffect("x", new(atomic.Int64)))(msg)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25006" || idempotency.IsPermanent(err) {
+		t.Fatalf("read-only database: %v; want SQLSTATE 25006, not permanent", err)
+	}
+	// A closed pool is the environment's too.
+	ro.Close()
+	_, msg = newEvent(t)
+	_, err = newMiddleware(t, idempotency.Config{DB: ro, ConsumerGroup: uniqueGroup(t, "g")}).Middleware(recordEffect("x", new(atomic.Int64)))(msg)
+	if err == nil || idempotency.IsPermanent(err) {
+		t.Fatalf("closed pool: %v; want an error that is not permanent", err)
+	}
+}
+
+// A database that accepts a connection and then answers nothing holds an
+// attempt no longer than the statement timeout.
+func TestSilentDatabaseIsBoundedByTheStatementTimeout(t *testing.T) {
+	direct := setup(t)
+	pool, proxy := testenv.ProxiedPostgres(t, direct)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"), StatementTimeout: 300 * time.Millisecond})
+	// A connection first, then silence on it.
+	if err := pool.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	proxy.BlackHole(true)
+	defer proxy.BlackHole(false)
+	_, msg := newEvent(t)
+	start := time.Now()
+	_, err := m.Middleware(recordEffect("x", new(atomic.Int64)))(msg)
+	if err == nil || idempotency.IsPermanent(err) || time.Since(start) > 5*time.Second {
+		t.Fatalf("got %v after %s; want a non-permanent error within about the 300ms statement timeout", err, time.Since(start))
+	}
+	if !proxy.Swallowed() {
+		t.Fatal("the black hole swallowed nothing: the fault did not happen")
+	}
+}
+
+// An event already claimed is a duplicate whatever its age: an offset reset
+// that redelivers a week of old events must not dead-letter them as too old.
+// Only a first claim is judged against the horizon.
+func TestAnOldDuplicateIsADuplicateNotTooOld(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	now := time.Now()
+	var res idempotency.Result
+	deliver := func(at time.Time) error {
+		m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: 7 * 24 * time.Hour,
+			Now: func() time.Time { return at }, OnResult: func(r idempotency.Result) { res = r }})
+		_, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(msg.Copy())
+		return err
+	}
+	if err := deliver(now); err != nil || res.Outcome != idempotency.Processed {
+		t.Fatalf("first delivery: %v %v", res.Outcome, err)
+	}
+	if err := deliver(now.Add(30 * 24 * time.Hour)); err != nil || res.Outcome != idempotency.Duplicate {
+		t.Fatalf("a month later, still claimed: %v %v; want a duplicate", res.Outcome, err)
+	}
+	other, fresh := newEvent(t)
+	_ = other
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: 7 * 24 * time.Hour,
+		Now: func() time.Time { return now.Add(30 * 24 * time.Hour) }})
+	if _, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fresh); !errors.Is(err, idempotency.ErrTooOld) {
+		t.Fatalf("an unclaimed event a month old: %v; want ErrTooOld", err)
+	}
+	if claims(t, pool, id, group) != 1 {
+		t.Fatal("the claim is gone")
+	}
+}
