@@ -80,14 +80,19 @@ func TestReplayRepublishesEachDeadLetterOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	// All carry key order-1, so they share one partition.
+	// All carry key order-1, so they share one partition: every one of the
+	// 20 is read and checked, from whichever partition holds them.
+	checked := 0
 	for _, p := range []int32{0, 1} {
+		end := partitionEnd(t, brokers, topic, p)
+		if end == 0 {
+			continue
+		}
 		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
 		if err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case m := <-pc.Messages():
+		for m := range pc.Messages() {
 			headers := map[string]string{}
 			for _, h := range m.Headers {
 				headers[string(h.Key)] = string(h.Value)
@@ -95,10 +100,59 @@ func TestReplayRepublishesEachDeadLetterOnce(t *testing.T) {
 			if string(m.Key) != "order-1" || headers["traceparent"] == "" || headers[middleware.ReasonForPoisonedKey] != "" || headers[dlq.HeaderReplayedFrom] == "" {
 				t.Fatalf("replayed message key %q headers %v", m.Key, headers)
 			}
-		case <-time.After(2 * time.Second):
+			checked++
+			if m.Offset+1 >= end {
+				break
+			}
 		}
 		pc.Close()
 	}
+	if checked != 20 {
+		t.Fatalf("checked %d replayed messages, want all 20", checked)
+	}
+}
+
+func partitionEnd(t *testing.T, brokers []string, topic string, p int32) int64 {
+	t.Helper()
+	client, err := sarama.NewClient(brokers, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return end
+}
+
+// A dead letter's age is its event's: the time in its UUIDv7 event_id,
+// always before its first charge, not the dead-letter record's, which is new
+// each time a replayed event is dead-lettered again.
+func TestReplayJudgesAgeByTheEventsOwnTime(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	prod := testenv.Producer(t, brokers)
+	old := retentionID(time.Now().Add(-3 * time.Hour))
+	fresh := uuid.Must(uuid.NewV7())
+	testenv.Publish(t, prod, dlqTopic, "", []byte(fmt.Sprintf(`{"event_id":%q}`, old))) // recorded now, happened 3h ago
+	testenv.Publish(t, prod, dlqTopic, "", []byte(fmt.Sprintf(`{"event_id":%q}`, fresh)))
+	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+		Group: "replay-" + uuid.NewString()[:8], MaxAge: time.Hour})
+	if err != nil || rep.Replayed != 1 || rep.SkippedStale != 1 {
+		t.Fatalf("report %+v, %v; want the event from 3h ago skipped and the fresh one replayed", rep, err)
+	}
+}
+
+// retentionID is a UUIDv7 whose timestamp is at.
+func retentionID(at time.Time) uuid.UUID {
+	id := uuid.Must(uuid.NewV7())
+	ms := uint64(at.UnixMilli())
+	for i := 0; i < 6; i++ {
+		id[i] = byte(ms >> (40 - 8*i))
+	}
+	return id
 }
 
 func TestReplaySkipsDeadLettersOlderThanMaxAge(t *testing.T) {

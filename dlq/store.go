@@ -95,10 +95,42 @@ func (s *Store) TableDDL() string {
 )`
 }
 
+// storedHeader keeps a header's bytes as they are: JSON would replace
+// invalid UTF-8, and []byte is base64 in JSON.
+type storedHeader struct {
+	Key   []byte `json:"k"`
+	Value []byte `json:"v"`
+}
+
+func encodeHeaders(h map[string]string) ([]byte, error) {
+	list := make([]storedHeader, 0, len(h))
+	for k, v := range h {
+		list = append(list, storedHeader{Key: []byte(k), Value: []byte(v)})
+	}
+	return json.Marshal(list)
+}
+
+func decodeHeaders(b []byte) (map[string]string, error) {
+	var list []storedHeader
+	if err := json.Unmarshal(b, &list); err != nil {
+		// Letters parked before headers kept their bytes: a plain object.
+		var plain map[string]string
+		if json.Unmarshal(b, &plain) == nil {
+			return plain, nil
+		}
+		return nil, err
+	}
+	h := make(map[string]string, len(list))
+	for _, kv := range list {
+		h[string(kv.Key)] = string(kv.Value)
+	}
+	return h, nil
+}
+
 // Park writes letters through db, a transaction or a pool.
 func (s *Store) Park(ctx context.Context, db Execer, letters ...Letter) error {
 	for _, l := range letters {
-		headers, err := json.Marshal(l.Headers)
+		headers, err := encodeHeaders(l.Headers)
 		if err != nil {
 			return fmt.Errorf("dlq: encode headers: %w", err)
 		}
@@ -125,8 +157,9 @@ type DrainConfig struct {
 	Producer sarama.SyncProducer
 	// PollInterval between passes when nothing is nudged. Default 500ms.
 	PollInterval time.Duration
-	// Lease: a letter taken by a drainer that died is taken again after it.
-	// Default 30s.
+	// Lease: a letter taken by a drainer that died is taken again after it;
+	// a batch is published well within it, so that two drainers do not take
+	// the same letters. Default 60s.
 	Lease time.Duration
 	// MaxBackoff between two attempts of one letter. Default 30s.
 	MaxBackoff time.Duration
@@ -135,13 +168,12 @@ type DrainConfig struct {
 	Logger      *slog.Logger
 }
 
-// Drain publishes parked letters until ctx ends: one pass per poll or nudge.
-func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
+func (cfg *DrainConfig) setDefaults() {
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 500 * time.Millisecond
 	}
 	if cfg.Lease == 0 {
-		cfg.Lease = 30 * time.Second
+		cfg.Lease = 60 * time.Second
 	}
 	if cfg.MaxBackoff == 0 {
 		cfg.MaxBackoff = 30 * time.Second
@@ -149,6 +181,11 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+}
+
+// Drain publishes parked letters until ctx ends: one pass per poll or nudge.
+func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
+	cfg.setDefaults()
 	t := time.NewTicker(cfg.PollInterval)
 	defer t.Stop()
 	for {
@@ -170,11 +207,14 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 	}
 }
 
-const batch = 100
+// batch is small: a failing publish takes a second or two of retries, and
+// the whole batch must be through long before its lease ends.
+const batch = 10
 
 // DrainOnce takes up to a batch of letters that are due, publishes each, and
 // returns how many it took.
 func (s *Store) DrainOnce(ctx context.Context, cfg DrainConfig) (int, error) {
+	cfg.setDefaults()
 	rows, err := cfg.DB.Query(ctx, `UPDATE `+s.table+` SET next_attempt_at = now() + make_interval(secs => $1), attempts = attempts + 1
 WHERE id IN (SELECT id FROM `+s.table+` WHERE next_attempt_at <= now() ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)
 RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batch)
@@ -194,7 +234,7 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 			rows.Close()
 			return 0, err
 		}
-		if err := json.Unmarshal(headers, &t.letter.Headers); err != nil {
+		if t.letter.Headers, err = decodeHeaders(headers); err != nil {
 			rows.Close()
 			return 0, fmt.Errorf("dlq: headers of parked letter %d: %w", t.id, err)
 		}
@@ -255,6 +295,8 @@ func (s *Store) List(ctx context.Context, db DB, limit int) ([]Parked, error) {
 		if err := row.Scan(&p.ID, &p.Topic, &headers, &p.CreatedAt, &p.Attempts, &p.LastError); err != nil {
 			return p, err
 		}
-		return p, json.Unmarshal(headers, &p.Headers)
+		var err error
+		p.Headers, err = decodeHeaders(headers)
+		return p, err
 	})
 }
