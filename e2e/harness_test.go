@@ -26,7 +26,6 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
@@ -684,26 +683,21 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	}
 
 	// Billing's payment events, through its outbox, each applied once by
-	// analytics: every one claimed, and analytics' counts equal the ledger.
+	// analytics: every one billing recorded is claimed, and analytics' counts
+	// equal the ledger.
 	var outgoing []uuid.UUID
-	for o, ev := range want {
-		if charged[o] > 0 {
-			outgoing = append(outgoing, outbox.EventID(ev.EventID(), order.TypePaymentChargedV1))
-		}
-	}
-	for _, ev := range s.declined {
-		outgoing = append(outgoing, outbox.EventID(ev.EventID(), order.TypePaymentFailedV1))
-	}
-	rows, err = s.pool.Query(ctx, `SELECT event_id FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs)
+	rows, err = s.pool.Query(ctx, `SELECT payment_event_id FROM billing.payments WHERE event_id = ANY($1) AND payment_event_id IS NOT NULL
+		UNION ALL SELECT payment_event_id FROM billing.refunds WHERE event_id = ANY($2) AND payment_event_id IS NOT NULL`,
+		append(append([]uuid.UUID(nil), ids...), s.declinedIDs()...), cancelIDs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for rows.Next() {
-		var id uuid.UUID
-		_ = rows.Scan(&id)
-		outgoing = append(outgoing, outbox.EventID(id, order.TypePaymentRefundedV1))
+	if outgoing, err = pgx.CollectRows(rows, pgx.RowTo[uuid.UUID]); err != nil {
+		t.Fatal(err)
 	}
-	rows.Close()
+	if want := ledger.Count + len(s.declined) + ledger.RefundCount; len(outgoing) != want {
+		t.Errorf("billing recorded %d payment events, want one per charge, decline and refund: %d", len(outgoing), want)
+	}
 	unclaimed := s.waitClaimed(s.group(analyticsGroup), outgoing, 60*time.Second)
 
 	a := s.analyticsNow()

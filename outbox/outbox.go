@@ -286,19 +286,25 @@ func (k KafkaPublisher) Publish(topic string, msgs ...*message.Message) error {
 func (k KafkaPublisher) Close() error { return nil }
 
 // EventID derives the id of an event published because of another one: a
-// UUIDv7 with the cause's 48-bit millisecond timestamp, and the rest of its
-// bits from SHA-256 of the cause's id and the derived event's type. The same
-// cause and type always give the same id, so a handler that publishes in an
-// attempt that rolled back and then again in the one that committed, or on a
-// replay of its input, publishes one id that downstream consumers dedup; and
-// the id sorts by the time of its cause, within the dedup horizon of it.
-func EventID(cause uuid.UUID, eventType string) uuid.UUID {
+// UUIDv7 whose 48-bit millisecond timestamp is at, and whose other bits come
+// from SHA-256 of the cause's id and the derived event's type. Give it a
+// time that every attempt reads the same, from a durable record of what
+// happened (the provider's time of a charge, replayed with its answer; a
+// row committed earlier): then a handler that publishes in an attempt that
+// rolled back and again in the one that committed, or on a replay of its
+// input, publishes one id that downstream consumers dedup, and the id's age,
+// which their dedup horizon judges, is the age of what it reports, however
+// late the cause was handled.
+func EventID(cause uuid.UUID, eventType string, at time.Time) uuid.UUID {
 	h := sha256.New()
 	h.Write(cause[:])
 	h.Write([]byte(eventType))
 	sum := h.Sum(nil)
 	var id uuid.UUID
-	copy(id[:6], cause[:6])
+	ms := uint64(at.UnixMilli())
+	for i := 0; i < 6; i++ {
+		id[i] = byte(ms >> (40 - 8*i))
+	}
 	copy(id[6:], sum[:10])
 	id[6] = 0x70 | id[6]&0x0f // version 7
 	id[8] = 0x80 | id[8]&0x3f // RFC 4122 variant

@@ -75,12 +75,25 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
 	defer producer.Close()
-	fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: producer})
-	if err != nil {
-		return err
-	}
+	// The forwarder is restarted when it stops on an error: orders keep
+	// being accepted meanwhile, and must not wait in the outbox for good.
 	errc := make(chan error, 1)
-	go func() { errc <- fw.Run(ctx) }()
+	go func() {
+		for ctx.Err() == nil {
+			fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: producer})
+			if err == nil {
+				err = fw.Run(ctx)
+			}
+			if err != nil && ctx.Err() == nil {
+				d.log.Error("outbox forwarder stopped; restarting it", "err", err)
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+		errc <- nil
+	}()
 	go every(ctx, 10*time.Minute, func() {
 		if n, err := svc.PruneOutbox(ctx, c.OutboxRetention, 5000); err != nil {
 			d.log.Error("prune outbox", "err", err)

@@ -49,6 +49,7 @@ type paymentProviderCmd struct {
 	Error5xxRate    float64       `name:"fault-5xx-rate" env:"PAYMENT_FAULT_5XX_RATE" default:"0" help:"Share of requests answered 503 before anything happens."`
 	StoredErrorRate float64       `name:"fault-stored-error-rate" env:"PAYMENT_FAULT_STORED_ERROR_RATE" default:"0" help:"Share of charges answered 500 and stored under the key (replayed on retry)."`
 	Latency         time.Duration `name:"fault-latency" env:"PAYMENT_FAULT_LATENCY" default:"0s" help:"Latency added to every executed charge."`
+	Unauthorized    float64       `name:"fault-401-rate" env:"PAYMENT_FAULT_401_RATE" default:"0" help:"Share of requests answered 401 invalid_api_key (a key being rotated)."`
 	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 }
 
@@ -59,7 +60,7 @@ func (c *paymentProviderCmd) Validate() error {
 	if _, err := decimal.NewFromString(c.DeclineAbove); err != nil {
 		return fmt.Errorf("--decline-above (PAYMENT_DECLINE_ABOVE): %q is not a decimal", c.DeclineAbove)
 	}
-	for name, r := range map[string]float64{"--fault-reset-rate": c.ResetRate, "--fault-5xx-rate": c.Error5xxRate, "--fault-stored-error-rate": c.StoredErrorRate} {
+	for name, r := range map[string]float64{"--fault-reset-rate": c.ResetRate, "--fault-5xx-rate": c.Error5xxRate, "--fault-stored-error-rate": c.StoredErrorRate, "--fault-401-rate": c.Unauthorized} {
 		if r < 0 || r > 1 {
 			return fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
 		}
@@ -83,6 +84,7 @@ func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
 			Error5xxRate:         c.Error5xxRate,
 			StoredErrorRate:      c.StoredErrorRate,
 			Latency:              c.Latency,
+			UnauthorizedRate:     c.Unauthorized,
 		},
 		Logger: d.log,
 	})

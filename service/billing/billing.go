@@ -26,7 +26,9 @@ type Provider interface {
 }
 
 // DB is where billing commits its charge intents, outside the claim's
-// transaction. *pgxpool.Pool implements it.
+// transaction: a pool of its own (a few connections), never the pool of the
+// claims, whose connection the attempt already holds while it asks for this
+// one. *pgxpool.Pool implements it.
 type DB interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -40,8 +42,15 @@ type Handler struct {
 	// Currency of every charge: the guide's event carries none, the charging
 	// service knows its own. An ISO 4217 code such as "EUR".
 	Currency string
-	// DB is the database of the claims, for charge intents.
+	// DB is the database of the claims, for charge intents; see [DB].
 	DB DB
+	// Horizon is the dedup horizon of the confirmations (the claim
+	// retention minus the clock skew): a confirmation older than it is
+	// never processed again. A cancellation that finds a charge intent
+	// without a payment waits for its confirmation to settle it; once that
+	// confirmation is past the horizon it never will, and the cancellation
+	// is dead-lettered for a person to reconcile. 0: wait without end.
+	Horizon time.Duration
 	// Outbox and Topic: where payment events go. Without an Outbox, none are
 	// published.
 	Outbox *outbox.Outbox
@@ -78,8 +87,8 @@ const lockOrderSQL = `SELECT pg_advisory_xact_lock(hashtextextended('billing.ord
 const (
 	paymentOfOrderSQL = `SELECT event_id, customer_id, status, provider_charge_id, amount, currency FROM billing.payments WHERE order_id = $1`
 	recordPaymentSQL  = `INSERT INTO billing.payments
-(event_id, order_id, customer_id, amount, currency, status, provider_charge_id, failure_reason)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`
+(event_id, order_id, customer_id, amount, currency, status, provider_charge_id, failure_reason, payment_event_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`
 	cancellationOfOrderSQL = `SELECT event_id FROM billing.cancellations WHERE order_id = $1`
 	recordCancellationSQL  = `INSERT INTO billing.cancellations (order_id, event_id, reason) VALUES ($1, $2, $3)
 ON CONFLICT (order_id) DO NOTHING`
@@ -87,9 +96,14 @@ ON CONFLICT (order_id) DO NOTHING`
 	// provider is called; the first event of an order owns it.
 	claimIntentSQL = `INSERT INTO billing.charge_intents (order_id, event_id, idempotency_key) VALUES ($1, $2, $3)
 ON CONFLICT (order_id) DO NOTHING`
-	intentOfOrderSQL = `SELECT event_id, idempotency_key FROM billing.charge_intents WHERE order_id = $1`
+	intentOfOrderSQL = `SELECT event_id, idempotency_key, created_at FROM billing.charge_intents WHERE order_id = $1`
 	refundOfOrderSQL = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
-	recordRefundSQL  = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency) VALUES ($1, $2, $3, $4, $5, $6)`
+	recordRefundSQL  = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency, payment_event_id)
+VALUES ($1, $2, $3, $4, $5, $6, $7)`
+	// Intents whose payment is recorded serve no more purpose: the payment
+	// row refuses a later event for the order by itself.
+	pruneIntentsSQL = `DELETE FROM billing.charge_intents i USING billing.payments p
+WHERE p.order_id = i.order_id AND i.created_at < now() - make_interval(secs => $1)`
 )
 
 // OnConfirmed charges an order.confirmed.v1 event's total: a
@@ -123,12 +137,12 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 	switch {
 	case err == nil:
 		// Cancelled before it was charged: never charge it. Not an error.
-		return h.record(ctx, tx, ev, "cancelled", nil, "cancelled by event "+cancelledBy.String()+" before it was charged")
+		return h.record(ctx, tx, ev, "cancelled", nil, "cancelled by event "+cancelledBy.String()+" before it was charged", nil)
 	case !errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("billing: read cancellation of order %d: %w", ev.OrderID(), err)
 	}
 
-	key, err := h.intend(ctx, ev)
+	key, intendedAt, err := h.intend(ctx, ev)
 	if err != nil {
 		return err
 	}
@@ -139,69 +153,102 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 		Amount:   ev.TotalAmount(),
 		Currency: h.Currency,
 	}, key)
-	if err != nil {
-		if !payment.IsPermanent(err) {
-			return fmt.Errorf("billing: charge order %d: %w", ev.OrderID(), err)
-		}
-		if err := h.record(ctx, tx, ev, "failed", nil, err.Error()); err != nil {
-			return err
-		}
-		failed, ferr := order.NewPaymentFailed(outbox.EventID(ev.EventID(), order.TypePaymentFailedV1), h.now(),
+	switch {
+	case errors.Is(err, payment.ErrKeyReused):
+		// The key is this order's intent's: an earlier request under it
+		// had another body (the currency setting changed, or a producer
+		// reused the event id with another amount) and may have charged.
+		// Nothing is known to be failed: no record, no event; a person
+		// reconciles from the dead letter.
+		return idempotency.Permanent(fmt.Errorf("billing: order %d: the provider holds another request under key %s; the charge's outcome is unknown, reconcile: %w",
+			ev.OrderID(), key, err))
+	case err != nil && !payment.IsPermanent(err):
+		return fmt.Errorf("billing: charge order %d: %w", ev.OrderID(), err)
+	case err != nil:
+		// The provider's own final refusal (a decline): the payment failed.
+		// occurred_at and the event's id take the intent's time, which
+		// every attempt reads the same.
+		failed, ferr := order.NewPaymentFailed(outbox.EventID(ev.EventID(), order.TypePaymentFailedV1, intendedAt), intendedAt,
 			ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, err.Error())
 		if ferr != nil {
 			return ferr
+		}
+		if err := h.record(ctx, tx, ev, "failed", nil, err.Error(), h.eventID(failed)); err != nil {
+			return err
 		}
 		if err := h.publish(ctx, tx, failed); err != nil {
 			return err
 		}
 		return idempotency.RejectAfterCommit(fmt.Errorf("billing: provider refused order %d: %w", ev.OrderID(), err))
 	}
-	if err := h.record(ctx, tx, ev, "charged", &charge.ID, ""); err != nil {
-		return err
-	}
-	// occurred_at is the provider's time of the charge: a replayed answer
-	// carries the same, so the event has one byte form however often it is
-	// built.
+	// occurred_at and the event's id take the provider's time of the charge:
+	// a replayed answer carries the same, so the event has one id and one
+	// byte form however often it is built.
 	at := charge.Created
 	if at.IsZero() {
-		at = h.now()
+		at = intendedAt
 	}
-	charged, err := order.NewPaymentCharged(outbox.EventID(ev.EventID(), order.TypePaymentChargedV1), at,
+	charged, err := order.NewPaymentCharged(outbox.EventID(ev.EventID(), order.TypePaymentChargedV1, at), at,
 		ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, charge.ID)
 	if err != nil {
+		return err
+	}
+	if err := h.record(ctx, tx, ev, "charged", &charge.ID, "", h.eventID(charged)); err != nil {
 		return err
 	}
 	return h.publish(ctx, tx, charged)
 }
 
+// eventID is the id of a payment event billing publishes, or nil without
+// an outbox.
+func (h Handler) eventID(p order.Payment) *uuid.UUID {
+	if h.Outbox == nil {
+		return nil
+	}
+	id := p.EventID()
+	return &id
+}
+
 // intend commits the charge intent of ev's order, in a transaction of its
-// own, and returns the idempotency key to charge with. The first event of an
-// order owns its intent, and with it the key: a later event for the same
-// order is refused, whether or not the first one's charge was recorded, so
-// that a charge whose answer was lost is never repeated under another key.
-func (h Handler) intend(ctx context.Context, ev order.Confirmed) (string, error) {
+// own, and returns the idempotency key to charge with and when the intent
+// was first made. The first event of an order owns its intent, and with it
+// the key: a later event for the same order is refused, whether or not the
+// first one's charge was recorded, so that a charge whose answer was lost is
+// never repeated under another key.
+func (h Handler) intend(ctx context.Context, ev order.Confirmed) (string, time.Time, error) {
 	key := ev.EventID().String()
 	if _, err := h.DB.Exec(ctx, claimIntentSQL, ev.OrderID(), ev.EventID(), key); err != nil {
-		return "", fmt.Errorf("billing: record charge intent of order %d: %w", ev.OrderID(), err)
+		return "", time.Time{}, fmt.Errorf("billing: record charge intent of order %d: %w", ev.OrderID(), err)
 	}
 	var owner uuid.UUID
 	var ownerKey string
-	if err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &ownerKey); err != nil {
-		return "", fmt.Errorf("billing: read charge intent of order %d: %w", ev.OrderID(), err)
+	var at time.Time
+	if err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &ownerKey, &at); err != nil {
+		return "", time.Time{}, fmt.Errorf("billing: read charge intent of order %d: %w", ev.OrderID(), err)
 	}
 	if owner != ev.EventID() {
-		return "", idempotency.Permanent(fmt.Errorf("billing: order %d may already be charged by event %s (idempotency key %s); event %s not charged",
+		return "", time.Time{}, idempotency.Permanent(fmt.Errorf("billing: order %d may already be charged by event %s (idempotency key %s); event %s not charged",
 			ev.OrderID(), owner, ownerKey, ev.EventID()))
 	}
-	return ownerKey, nil
+	return ownerKey, at.UTC(), nil
 }
 
-func (h Handler) record(ctx context.Context, tx pgx.Tx, ev order.Confirmed, status string, chargeID *string, reason string) error {
+// PruneIntents deletes charge intents older than olderThan whose payment is
+// recorded, and returns how many.
+func PruneIntents(ctx context.Context, db DB, olderThan time.Duration) (int64, error) {
+	tag, err := db.Exec(ctx, pruneIntentsSQL, olderThan.Seconds())
+	if err != nil {
+		return 0, fmt.Errorf("billing: prune charge intents: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+func (h Handler) record(ctx context.Context, tx pgx.Tx, ev order.Confirmed, status string, chargeID *string, reason string, paymentEvent *uuid.UUID) error {
 	var failure *string
 	if reason != "" {
 		failure = &reason
 	}
-	_, err := tx.Exec(ctx, recordPaymentSQL, ev.EventID(), ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, status, chargeID, failure)
+	_, err := tx.Exec(ctx, recordPaymentSQL, ev.EventID(), ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, status, chargeID, failure, paymentEvent)
 	if err != nil {
 		return fmt.Errorf("billing: record %s payment of order %d: %w", status, ev.OrderID(), err)
 	}
@@ -246,8 +293,14 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 	case errors.Is(err, pgx.ErrNoRows):
 		var owner uuid.UUID
 		var key string
-		err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &key)
+		var at time.Time
+		// Through the claim's transaction: a committed intent is visible to
+		// it, and it asks the pool for no second connection.
+		err := tx.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &key, &at)
 		switch {
+		case err == nil && h.Horizon > 0 && uuidTime(owner).Before(h.now().Add(-h.Horizon)):
+			return idempotency.Permanent(fmt.Errorf("billing: order %d was charged or not under key %s by event %s, which is past the dedup horizon and will never be recorded: "+
+				"the refund's amount is unknown here; reconcile with the provider", ev.OrderID(), key, owner))
 		case err == nil:
 			return fmt.Errorf("%w (order %d, charge by event %s under key %s)", errChargeInFlight, ev.OrderID(), owner, key)
 		case !errors.Is(err, pgx.ErrNoRows):
@@ -279,17 +332,17 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 		}
 		return fmt.Errorf("billing: refund order %d: %w", ev.OrderID(), err)
 	}
-	if _, err := tx.Exec(ctx, recordRefundSQL, ev.EventID(), ev.OrderID(), *p.chargeID, refund.ID, p.amount, p.currency); err != nil {
-		return fmt.Errorf("billing: record refund of order %d: %w", ev.OrderID(), err)
-	}
 	at := refund.Created
 	if at.IsZero() {
-		at = h.now()
+		at = ev.OccurredAt()
 	}
-	refunded, err := order.NewPaymentRefunded(outbox.EventID(ev.EventID(), order.TypePaymentRefundedV1), at,
+	refunded, err := order.NewPaymentRefunded(outbox.EventID(ev.EventID(), order.TypePaymentRefundedV1, at), at,
 		ev.OrderID(), p.customerID, p.amount, p.currency, refund.ID)
 	if err != nil {
 		return err
+	}
+	if _, err := tx.Exec(ctx, recordRefundSQL, ev.EventID(), ev.OrderID(), *p.chargeID, refund.ID, p.amount, p.currency, h.eventID(refunded)); err != nil {
+		return fmt.Errorf("billing: record refund of order %d: %w", ev.OrderID(), err)
 	}
 	return h.publish(ctx, tx, refunded)
 }
@@ -305,6 +358,12 @@ func (h Handler) publish(ctx context.Context, tx pgx.Tx, ev order.Payment) error
 		return err
 	}
 	return h.Outbox.Publish(ctx, tx, outbox.Message{Topic: h.Topic, Key: strconv.FormatInt(ev.OrderID(), 10), ID: ev.EventID().String(), Payload: b})
+}
+
+// uuidTime is the millisecond timestamp of a UUIDv7.
+func uuidTime(id uuid.UUID) time.Time {
+	sec, nsec := id.Time().UnixTime()
+	return time.Unix(sec, nsec)
 }
 
 func (h Handler) now() time.Time {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
@@ -111,6 +112,16 @@ func (f *fixture) published(t *testing.T, id uuid.UUID) int {
 	return f.count(t, `SELECT count(*) FROM public.billing_test_outbox WHERE payload->>'uuid' = $1`, id.String())
 }
 
+// paymentEventOf reads the id of the payment event billing recorded.
+func (f *fixture) paymentEventOf(t *testing.T, query string, orderID int64) uuid.UUID {
+	t.Helper()
+	var id *uuid.UUID
+	if err := f.pool.QueryRow(context.Background(), query, orderID).Scan(&id); err != nil || id == nil {
+		t.Fatalf("no payment event recorded for order %d (%v)", orderID, err)
+	}
+	return *id
+}
+
 func (f *fixture) ledger(t *testing.T) payment.Ledger {
 	t.Helper()
 	l, err := f.client.Ledger(context.Background())
@@ -132,9 +143,12 @@ func TestChargesOnceRecordsAndAnnouncesThePayment(t *testing.T) {
 		l.Charges[0].IdempotencyKey != ev.EventID().String() || l.Charges[0].Currency != "EUR" || l.Charges[0].Amount != "99.95" {
 		t.Fatalf("payment %s %v %s, ledger %+v; want one EUR charge keyed by the event id and recorded", status, chargeID, currency, l)
 	}
-	derived := outbox.EventID(ev.EventID(), order.TypePaymentChargedV1)
+	derived := f.paymentEventOf(t, `SELECT payment_event_id FROM billing.payments WHERE order_id = $1`, ev.OrderID())
 	if n := f.published(t, derived); n != 1 {
 		t.Fatalf("payment.charged.v1 %s is %d times in the outbox, want once", derived, n)
+	}
+	if derived.Version() != 7 {
+		t.Fatalf("payment event id %s is not a UUIDv7", derived)
 	}
 }
 
@@ -154,7 +168,7 @@ func TestDeclineIsRecordedAnnouncedAndDeadLettered(t *testing.T) {
 	if status != "failed" || reason == nil || !f.confirmed.Claimed(ev) {
 		t.Fatalf("payment %s (%v); want failed with the reason, committed with the claim", status, reason)
 	}
-	if n := f.published(t, outbox.EventID(ev.EventID(), order.TypePaymentFailedV1)); n != 1 {
+	if n := f.published(t, f.paymentEventOf(t, `SELECT payment_event_id FROM billing.payments WHERE order_id = $1`, ev.OrderID())); n != 1 {
 		t.Fatalf("payment.failed.v1 is %d times in the outbox, want once", n)
 	}
 }
@@ -253,7 +267,7 @@ func TestCancellationAfterTheChargeRefundsOnce(t *testing.T) {
 	if f.count(t, `SELECT count(*) FROM billing.refunds WHERE order_id = $1`, orderID) != 1 {
 		t.Fatal("billing did not record the refund once")
 	}
-	if n := f.published(t, outbox.EventID(cancel.EventID(), order.TypePaymentRefundedV1)); n != 1 {
+	if n := f.published(t, f.paymentEventOf(t, `SELECT payment_event_id FROM billing.refunds WHERE order_id = $1`, orderID)); n != 1 {
 		t.Fatalf("payment.refunded.v1 is %d times in the outbox, want once", n)
 	}
 	// Another cancellation of the same order (a producer re-publishing under
@@ -330,3 +344,89 @@ func TestSettingsAreValidated(t *testing.T) {
 }
 
 func contains(s, sub string) bool { return sub != "" && strings.Contains(s, sub) }
+
+// The provider holds another request under the order's key (the currency
+// setting changed, or a producer reused the event id with another amount
+// after an attempt rolled back): the outcome of the earlier request is
+// unknown, so nothing is recorded failed and nothing announced; the event is
+// dead-lettered for a person to reconcile.
+func TestKeyReusedIsNotRecordedAsFailed(t *testing.T) {
+	f := setup(t)
+	ev := confirmed(t, newOrderID(), "20.00")
+	f.confirmed.DeliverRolledBack(ev) // charged at the provider in EUR, not recorded
+	usd := f.handler
+	usd.Currency = "USD"
+	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: f.pool, Group: f.confirmed.Group(), Handle: usd.OnConfirmed})
+	d := h.Deliver(ev)
+	if !d.DeadLettered() || !errors.Is(d.Err, payment.ErrKeyReused) || !strings.Contains(d.Err.Error(), "reconcile") {
+		t.Fatalf("got %v; want a permanent refusal naming the reused key", d.Err)
+	}
+	var n int
+	_ = f.pool.QueryRow(context.Background(), `SELECT count(*) FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&n)
+	if n != 0 || f.ledger(t).Count != 1 {
+		t.Fatalf("%d payment rows, %d charges; want none recorded and the one charge untouched", n, f.ledger(t).Count)
+	}
+}
+
+// A cancellation that finds a charge intent without a payment waits for the
+// confirmation, unless that confirmation is past the dedup horizon and can
+// never be recorded: then it is dead-lettered for a person to reconcile,
+// rather than held forever.
+func TestCancellationOfAChargeThatWillNeverBeRecorded(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	charge := confirmed(t, orderID, "33.00")
+	f.confirmed.DeliverRolledBack(charge) // the intent and the charge, never recorded
+	later := f.handler
+	later.Horizon = time.Hour
+	later.Now = func() time.Time { return time.Now().Add(2 * time.Hour) } // the confirmation is now too old
+	h := oncetest.New(t, oncetest.Config[order.Cancelled]{DB: f.pool, Group: f.cancelled.Group(), Handle: later.OnCancelled})
+	cancel := cancelled(t, orderID)
+	if d := f.cancelled.Deliver(cancel); d.Err == nil || d.DeadLettered() {
+		t.Fatalf("within the horizon: %v; want the cancellation held", d.Err)
+	}
+	if d := h.Deliver(cancel); !d.DeadLettered() || !strings.Contains(d.Err.Error(), "reconcile") {
+		t.Fatalf("past the horizon: %v; want it dead-lettered for reconciliation", d.Err)
+	}
+}
+
+// The order's lock orders a confirmation behind a cancellation that is being
+// committed: the confirmation sees the cancellation and does not charge.
+// Without the lock it would find neither a payment nor a cancellation, and
+// charge an order whose cancellation was then recorded.
+func TestConfirmationWaitsForACancellationInFlight(t *testing.T) {
+	f := setup(t)
+	orderID := newOrderID()
+	inTx, release := make(chan struct{}), make(chan struct{})
+	slowCancel := func(ctx context.Context, tx pgx.Tx, ev order.Cancelled) error {
+		if err := f.handler.OnCancelled(ctx, tx, ev); err != nil {
+			return err
+		}
+		close(inTx)
+		<-release // the cancellation is recorded, not yet committed
+		return nil
+	}
+	h := oncetest.New(t, oncetest.Config[order.Cancelled]{DB: f.pool, Group: f.cancelled.Group(), Handle: slowCancel})
+	done := make(chan oncetest.Delivery, 1)
+	go func() { done <- h.Deliver(cancelled(t, orderID)) }()
+	<-inTx
+	charged := make(chan oncetest.Delivery, 1)
+	go func() { charged <- f.confirmed.Deliver(confirmed(t, orderID, "15.00")) }()
+	select {
+	case d := <-charged:
+		close(release)
+		<-done
+		t.Fatalf("the confirmation finished (%v) while the cancellation was not committed: it did not wait for the order's lock", d.Err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	close(release)
+	if d := <-done; d.Err != nil {
+		t.Fatal(d.Err)
+	}
+	if d := <-charged; d.Err != nil {
+		t.Fatal(d.Err)
+	}
+	if status, _, _, _ := f.payment(t, orderID); status != "cancelled" || f.ledger(t).Count != 0 {
+		t.Fatalf("payment %s, %d charges; want cancelled and never charged", status, f.ledger(t).Count)
+	}
+}

@@ -287,13 +287,26 @@ func (r *run) startBilling(ctx context.Context) (stop func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	h := billing.Handler{Payments: r.client, Currency: Currency, DB: r.cfg.DB, Outbox: box, Topic: r.payments}
-	return r.startPipeline(ctx,
+	// Charge intents are committed outside the claim's transaction, from a
+	// small pool of their own.
+	cfg := r.cfg.DB.Config().Copy()
+	cfg.MaxConns = 4
+	intents, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	h := billing.Handler{Payments: r.client, Currency: Currency, DB: intents, Outbox: box, Topic: r.payments}
+	stopPipeline, err := r.startPipeline(ctx,
 		pipeline.Topic[order.Confirmed]{Name: r.confirmed, DLQ: dlqOf(r.confirmed), Decode: order.DecodeConfirmed,
 			Groups: []pipeline.Group[order.Confirmed]{{Name: r.billing, Handle: h.OnConfirmed}}},
 		pipeline.Topic[order.Cancelled]{Name: r.cancelled, DLQ: dlqOf(r.cancelled), Decode: order.DecodeCancelled,
 			Groups: []pipeline.Group[order.Cancelled]{{Name: r.billing, Handle: h.OnCancelled}}},
 	)
+	if err != nil {
+		intents.Close()
+		return nil, err
+	}
+	return func() { stopPipeline(); intents.Close() }, nil
 }
 
 func (r *run) startAnalytics(ctx context.Context) (stop func(), err error) {

@@ -15,8 +15,6 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/outbox"
-	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
 )
 
@@ -266,32 +264,18 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 		r.analytics, ids).Scan(&s.Analytics.ClaimRows); err != nil {
 		return s, err
 	}
-	// Billing's payment events have ids derived from their causes: the
+	// Billing recorded the id of every payment event it published: the
 	// analytics claims of exactly those.
 	var paymentIDs []uuid.UUID
-	rows, err = db.Query(ctx, `SELECT event_id, status FROM billing.payments WHERE event_id = ANY($1) AND status IN ('charged', 'failed')`, ids)
-	if err != nil {
-		return s, err
-	}
-	for rows.Next() {
-		var id uuid.UUID
-		var status string
-		_ = rows.Scan(&id, &status)
-		kind := order.TypePaymentChargedV1
-		if status == "failed" {
-			kind = order.TypePaymentFailedV1
-		}
-		paymentIDs = append(paymentIDs, outbox.EventID(id, kind))
-	}
-	rows.Close()
-	rows, err = db.Query(ctx, `SELECT event_id FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs)
+	rows, err = db.Query(ctx, `SELECT payment_event_id FROM billing.payments WHERE event_id = ANY($1) AND payment_event_id IS NOT NULL
+		UNION ALL SELECT payment_event_id FROM billing.refunds WHERE event_id = ANY($2) AND payment_event_id IS NOT NULL`, ids, cancelIDs)
 	if err != nil {
 		return s, err
 	}
 	for rows.Next() {
 		var id uuid.UUID
 		_ = rows.Scan(&id)
-		paymentIDs = append(paymentIDs, outbox.EventID(id, order.TypePaymentRefundedV1))
+		paymentIDs = append(paymentIDs, id)
 	}
 	rows.Close()
 	var paymentClaims int
@@ -321,11 +305,16 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 		s.AnalyticsRefund.StringFixed(2), s.RefundedTotal.StringFixed(2))
 	check("every payment event billing published applied exactly once by analytics",
 		s.AppliedCharges == ledger.Count && appliedTotal.Equal(s.ChargedTotal) && s.AppliedFailures == s.FailedPayments && s.AppliedRefunds == s.Refunds &&
-			paymentClaims == s.PaymentEvents && s.Forwarded >= s.PaymentEvents,
-		"charged %d/%d (%s), failed %d/%d, refunded %d/%d; %d claims for %d events, %d forwarded",
+			paymentClaims == s.PaymentEvents,
+		// Forwarded is informational: any process forwarding the same
+		// database's outbox (a second instance, a test beside the demo)
+		// moves some of these rows; analytics' claims prove they all arrived.
+		"charged %d/%d (%s), failed %d/%d, refunded %d/%d; %d claims for %d events, %d forwarded by this process",
 		s.AppliedCharges, ledger.Count, appliedTotal.StringFixed(2), s.AppliedFailures, s.FailedPayments, s.AppliedRefunds, s.Refunds, paymentClaims, s.PaymentEvents, s.Forwarded)
 	check("one claim per event and group", s.Billing.ClaimRows == s.Orders+s.Cancelled && s.Analytics.ClaimRows == s.Orders,
 		"billing %d (orders and cancellations: %d), analytics %d (orders: %d)", s.Billing.ClaimRows, s.Orders+s.Cancelled, s.Analytics.ClaimRows, s.Orders)
+	check("orders were cancelled, and charged ones refunded", s.Cancelled > 0 && s.Refunds > 0,
+		"%d cancellations: %d before their charge, %d refunded", s.Cancelled, s.CancelledBeforePaid, s.Refunds)
 	check("duplicates were delivered and skipped in both groups", s.Billing.Duplicates > 0 && s.Analytics.Duplicates > 0,
 		"billing %d, analytics %d", s.Billing.Duplicates, s.Analytics.Duplicates)
 	check("every poison message dead-lettered by both groups",

@@ -83,6 +83,8 @@ DROP TABLE payment_provider.refund;
 DROP TABLE billing.refunds;
 DROP TABLE billing.cancellations;
 ALTER TABLE billing.payments DROP CONSTRAINT payments_status;
+-- Payments of orders cancelled before their charge were never charged.
+UPDATE billing.payments SET status = 'failed', failure_reason = coalesce(failure_reason, 'cancelled before the charge') WHERE status = 'cancelled';
 ALTER TABLE billing.payments ADD CONSTRAINT payments_status CHECK (status IN ('charged', 'failed'));
 DROP TABLE billing.charge_intents;
 ALTER TABLE orders.orders DROP COLUMN cancelled_at, DROP COLUMN cancelled_event_id;

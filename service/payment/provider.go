@@ -37,6 +37,9 @@ type Faults struct {
 	StoredErrorRate float64
 	// Latency added to every charge the provider executes (replays are fast).
 	Latency time.Duration
+	// UnauthorizedRate: answer 401 invalid_api_key before anything happens,
+	// as a provider does while the merchant's key is being rotated.
+	UnauthorizedRate float64
 }
 
 // ProviderConfig configures a [Provider].
@@ -70,7 +73,7 @@ type ProviderConfig struct {
 type Provider struct {
 	cfg   ProviderConfig
 	mux   *http.ServeMux
-	stats struct{ charges, refunds, replays, resets, errors5xx, storedErrors atomic.Int64 }
+	stats struct{ charges, refunds, replays, resets, errors5xx, storedErrors, unauthorized atomic.Int64 }
 }
 
 // Stats counts what a [Provider] did since it was created.
@@ -81,12 +84,13 @@ type Stats struct {
 	Resets       int64 // connections dropped after charging or refunding
 	Errors5xx    int64 // injected 503s
 	StoredErrors int64 // injected 500s stored under their key
+	Unauthorized int64 // injected 401s
 }
 
 // Stats returns the counters.
 func (p *Provider) Stats() Stats {
 	return Stats{Charges: p.stats.charges.Load(), Refunds: p.stats.refunds.Load(), Replays: p.stats.replays.Load(), Resets: p.stats.resets.Load(),
-		Errors5xx: p.stats.errors5xx.Load(), StoredErrors: p.stats.storedErrors.Load()}
+		Errors5xx: p.stats.errors5xx.Load(), StoredErrors: p.stats.storedErrors.Load(), Unauthorized: p.stats.unauthorized.Load()}
 }
 
 // NewProvider returns the simulator. Its tables come from the migrations.
@@ -107,7 +111,7 @@ func NewProvider(cfg ProviderConfig) (*Provider, error) {
 		cfg.Logger = slog.Default()
 	}
 	for name, r := range map[string]float64{"ResetAfterChargeRate": cfg.Faults.ResetAfterChargeRate,
-		"Error5xxRate": cfg.Faults.Error5xxRate, "StoredErrorRate": cfg.Faults.StoredErrorRate} {
+		"Error5xxRate": cfg.Faults.Error5xxRate, "StoredErrorRate": cfg.Faults.StoredErrorRate, "UnauthorizedRate": cfg.Faults.UnauthorizedRate} {
 		if r < 0 || r > 1 {
 			return nil, fmt.Errorf("payment: Faults.%s %v is not in [0, 1]", name, r)
 		}
@@ -208,6 +212,11 @@ func (p *Provider) idempotent(w http.ResponseWriter, r *http.Request, scope stri
 	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
 	if err != nil {
 		writeJSON(w, http.StatusBadRequest, problem{"bad_request", "cannot read body"})
+		return
+	}
+	if rand.Float64() < p.cfg.Faults.UnauthorizedRate {
+		p.stats.unauthorized.Add(1)
+		writeJSON(w, http.StatusUnauthorized, problem{"invalid_api_key", "injected fault: the API key is not valid (being rotated)"})
 		return
 	}
 	if rand.Float64() < p.cfg.Faults.Error5xxRate {

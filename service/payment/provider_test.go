@@ -307,3 +307,92 @@ func TestSlowProviderTimesOutAndRetries(t *testing.T) {
 		t.Fatalf("ledger has %d charges, want 1", l.Count)
 	}
 }
+
+// Only the provider's own final verdicts are permanent: its 402, its
+// documented refusal codes, a 5xx it stored for the key. A rotated API key
+// (401, 403), a wrong base URL or a proxy (404 or 400 without the provider's
+// code), a timeout (408): the environment's, retried with the same key.
+func TestOnlyTheProvidersVerdictsArePermanent(t *testing.T) {
+	for _, tc := range []struct {
+		status    int
+		body      string
+		replayed  bool
+		permanent bool
+	}{
+		{401, `{"code":"invalid_api_key","message":"rotated"}`, false, false},
+		{403, `{"code":"forbidden","message":"no"}`, false, false},
+		{404, `404 page not found`, false, false},
+		{408, ``, false, false},
+		{400, `<html>bad gateway config</html>`, false, false},
+		{409, `{"code":"request_in_progress"}`, false, false},
+		{429, `{"code":"rate_limited"}`, false, false},
+		{503, `{"code":"unavailable"}`, false, false},
+		{500, `{"code":"processing_error"}`, true, true},
+		{402, `{"code":"card_declined","message":"declined"}`, false, true},
+		{404, `{"code":"charge_not_found","message":"no charge"}`, false, true},
+		{422, `{"code":"refund_exceeds_charge","message":"too much"}`, false, true},
+		{422, `{"code":"idempotency_key_reused","message":"other body"}`, false, true},
+	} {
+		var requests atomic.Int64
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			requests.Add(1)
+			if tc.replayed {
+				w.Header().Set(payment.HeaderReplayed, "true")
+			}
+			w.WriteHeader(tc.status)
+			_, _ = w.Write([]byte(tc.body))
+		}))
+		c, err := payment.NewClient(payment.ClientConfig{BaseURL: srv.URL, MaxAttempts: 3, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Charge(context.Background(), payment.ChargeRequest{OrderID: "1", Amount: decimal.NewFromInt(1), Currency: "EUR"}, "k")
+		srv.Close()
+		wantRequests := int64(3)
+		if tc.permanent {
+			wantRequests = 1
+		}
+		if err == nil || payment.IsPermanent(err) != tc.permanent || requests.Load() != wantRequests {
+			t.Errorf("%d %s: err %v, permanent %v after %d requests; want permanent %v after %d", tc.status, tc.body, err,
+				payment.IsPermanent(err), requests.Load(), tc.permanent, wantRequests)
+		}
+	}
+}
+
+// Refunds: once per key, never more than what is left of the charge, and a
+// charge the account does not have is a refusal of its own.
+func TestRefunds(t *testing.T) {
+	pool := testenv.Postgres(t)
+	p := startProvider(t, pool, payment.ProviderConfig{})
+	c := p.client(t, payment.ClientConfig{})
+	ctx := context.Background()
+	ch, err := c.Charge(ctx, payment.ChargeRequest{OrderID: "77", Amount: decimal.RequireFromString("10.00"), Currency: "EUR"}, uuid.NewString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := uuid.NewString()
+	first, err := c.Refund(ctx, payment.RefundRequest{ChargeID: ch.ID, Amount: decimal.RequireFromString("6.00")}, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := c.Refund(ctx, payment.RefundRequest{ChargeID: ch.ID, Amount: decimal.RequireFromString("6.00")}, key)
+	if err != nil || again.ID != first.ID || !again.Replayed {
+		t.Fatalf("the same refund again: %+v, %v; want the stored answer", again, err)
+	}
+	_, err = c.Refund(ctx, payment.RefundRequest{ChargeID: ch.ID, Amount: decimal.RequireFromString("4.01")}, uuid.NewString())
+	var perr *payment.Error
+	if !errors.As(err, &perr) || perr.Code != payment.CodeRefundExceedsCharge || !payment.IsPermanent(err) {
+		t.Fatalf("refunding more than is left: %v; want a permanent refund_exceeds_charge", err)
+	}
+	if _, err := c.Refund(ctx, payment.RefundRequest{ChargeID: ch.ID, Amount: decimal.RequireFromString("4.00")}, uuid.NewString()); err != nil {
+		t.Fatalf("refunding the rest: %v", err)
+	}
+	_, err = c.Refund(ctx, payment.RefundRequest{ChargeID: "ch_nope", Amount: decimal.RequireFromString("1.00")}, uuid.NewString())
+	if !errors.As(err, &perr) || perr.Code != payment.CodeChargeNotFound || !payment.IsPermanent(err) {
+		t.Fatalf("refunding an unknown charge: %v; want a permanent charge_not_found", err)
+	}
+	l := ledger(t, c)
+	if l.Count != 1 || l.RefundCount != 2 || l.RefundTotals["EUR"] != "10.00" || l.Totals["EUR"] != "10.00" {
+		t.Fatalf("ledger %+v; want one charge of 10.00 and refunds totalling 10.00", l)
+	}
+}
