@@ -8,10 +8,14 @@ import (
 	"hash/fnv"
 	"log/slog"
 	"regexp"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/schema"
@@ -47,6 +51,13 @@ type Config struct {
 	DaysAhead int
 	// BatchSize of each delete in the default partition. Default 5000.
 	BatchSize int
+	// LockTimeout bounds each wait for a lock that partition DDL needs
+	// (attaching and detaching take locks on the claim table that claims
+	// queue behind): a pass that cannot get one gives up after it, so claims
+	// wait at most that long, and tries again after a backoff, LockRetries
+	// times. Defaults: 2s and 5.
+	LockTimeout time.Duration
+	LockRetries int
 	// Now is the clock. Default time.Now.
 	Now    func() time.Time
 	Logger *slog.Logger
@@ -71,6 +82,12 @@ func (c *Config) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = 5000
 	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = 2 * time.Second
+	}
+	if c.LockRetries == 0 {
+		c.LockRetries = 5
+	}
 	if c.Now == nil {
 		c.Now = time.Now
 	}
@@ -91,8 +108,8 @@ func (c Config) Validate() error {
 	if c.Retention < 24*time.Hour {
 		errs = append(errs, fmt.Errorf("retention: retention %s is shorter than one day, the partition size", c.Retention))
 	}
-	if c.DaysAhead < 1 || c.BatchSize < 1 {
-		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1"))
+	if c.DaysAhead < 1 || c.BatchSize < 1 || c.LockRetries < 0 || c.LockTimeout < 0 {
+		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1, LockTimeout and LockRetries not negative"))
 	}
 	errs = append(errs, schema.Config{Schema: c.Schema, ClaimTable: c.Table}.Validate())
 	return errors.Join(errs...)
@@ -109,6 +126,9 @@ type Report struct {
 	// Skipped days whose range already has claims in the default partition:
 	// their partition cannot be created; the rows age out by deletion.
 	Skipped []string
+	// LockWaits counts DDL statements that gave way to claims (their lock
+	// was busy for the lock timeout) and were tried again.
+	LockWaits int
 }
 
 // lockKey identifies the maintenance advisory lock of one claim table: the
@@ -127,12 +147,6 @@ func lockKey(cfg Config) int64 {
 const (
 	tryLockSQL = `SELECT pg_try_advisory_lock($1)`
 	unlockSQL  = `SELECT pg_advisory_unlock($1)`
-	// Daily partitions are named <table>_pYYYYMMDD by this package only.
-	listPartitionsSQL = `SELECT c.relname FROM pg_inherits i
-JOIN pg_class c ON c.oid = i.inhrelid
-JOIN pg_class p ON p.oid = i.inhparent
-JOIN pg_namespace n ON n.oid = p.relnamespace
-WHERE n.nspname = $1 AND p.relname = $2`
 	// %s: the default partition's qualified name.
 	defaultHasRowsSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE event_id >= $1 AND event_id < $2)`
 	deleteBatchSQL    = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
@@ -186,11 +200,12 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	n := namesOf(cfg)
 	now := cfg.Now().UTC()
 	cutoff := now.Add(-cfg.Retention)
-	if err := dropExpired(ctx, conn.Conn(), n, cutoff, &rep); err != nil {
+	ddl := ddlRunner{conn: conn.Conn(), timeout: cfg.LockTimeout, retries: cfg.LockRetries, log: cfg.Logger, rep: &rep}
+	if err := dropExpired(ctx, ddl, n, cutoff, &rep); err != nil {
 		return rep, err
 	}
 	if cfg.Mode == Partitioned {
-		if err := createAhead(ctx, conn.Conn(), n, now, cfg.DaysAhead, &rep); err != nil {
+		if err := createAhead(ctx, ddl, n, now, cfg.DaysAhead, &rep); err != nil {
 			return rep, err
 		}
 	}
@@ -221,21 +236,84 @@ func Loop(ctx context.Context, cfg Config, interval time.Duration) {
 	}
 }
 
-func dropExpired(ctx context.Context, conn *pgx.Conn, n names, cutoff time.Time, rep *Report) error {
-	rows, err := conn.Query(ctx, listPartitionsSQL, n.schema, n.table)
-	if err != nil {
-		return fmt.Errorf("retention: list partitions: %w", err)
-	}
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return fmt.Errorf("retention: list partitions: %w", err)
-	}
-	for _, name := range names {
-		m := n.daily.FindStringSubmatch(name)
-		if m == nil {
-			continue
+// ddlRunner runs partition DDL without holding claims up for long: each
+// statement waits at most timeout for its lock, and a statement that could
+// not get it is tried again after a backoff.
+type ddlRunner struct {
+	conn    *pgx.Conn
+	timeout time.Duration
+	retries int
+	log     *slog.Logger
+	rep     *Report
+}
+
+func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
+	wait := 200 * time.Millisecond
+	for attempt := 0; ; attempt++ {
+		err := pgx.BeginFunc(ctx, d.conn, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", strconv.FormatInt(d.timeout.Milliseconds(), 10)); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, stmt)
+			return err
+		})
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" || attempt >= d.retries {
+			if err != nil {
+				return fmt.Errorf("retention: %s: %w", what, err)
+			}
+			return nil
 		}
-		day, err := time.Parse("20060102", m[1])
+		d.rep.LockWaits++
+		d.log.Warn("retention: a lock on the claim table was busy; claims go first, trying again", "what", what, "lock_timeout", d.timeout, "retry_in", wait)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+		wait *= 2
+	}
+}
+
+// dailyTables lists the tables of the schema named like the claim table's
+// daily partitions, and whether each is attached: a pass that failed half
+// way may leave one created but not attached, or detached but not dropped.
+func dailyTables(ctx context.Context, conn *pgx.Conn, n names) (map[string]bool, error) {
+	rows, err := conn.Query(ctx, `SELECT c.relname, EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid AND i.inhparent = to_regclass($3))
+FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
+WHERE ns.nspname = $1 AND c.relkind = 'r' AND c.relname LIKE $2`, n.schema, strings.ReplaceAll(n.table, "_", `\_`)+`\_p%`, n.parent)
+	if err != nil {
+		return nil, fmt.Errorf("retention: list partitions: %w", err)
+	}
+	out := map[string]bool{}
+	for rows.Next() {
+		var name string
+		var attached bool
+		if err := rows.Scan(&name, &attached); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		if n.daily.MatchString(name) {
+			out[name] = attached
+		}
+	}
+	return out, rows.Err()
+}
+
+// dropExpired detaches each daily partition whose whole day is older than the
+// retention, then drops it: the detach takes the brief exclusive lock on the
+// claim table (bounded by the lock timeout), the drop of a detached table
+// takes none. DETACH ... CONCURRENTLY would take a weaker lock, but
+// PostgreSQL refuses it on a table with a default partition, and the default
+// partition is what holds claims outside daily partitions (and every claim in
+// delete mode).
+func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, rep *Report) error {
+	tables, err := dailyTables(ctx, ddl.conn, n)
+	if err != nil {
+		return err
+	}
+	for name, attached := range tables {
+		day, err := time.Parse("20060102", n.daily.FindStringSubmatch(name)[1])
 		if err != nil {
 			continue
 		}
@@ -243,41 +321,57 @@ func dropExpired(ctx context.Context, conn *pgx.Conn, n names, cutoff time.Time,
 		if day.AddDate(0, 0, 1).After(cutoff) {
 			continue
 		}
-		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{n.schema, name}.Sanitize()); err != nil {
+		qualified := pgx.Identifier{n.schema, name}.Sanitize()
+		if attached {
+			if err := ddl.exec(ctx, "detach "+name, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
+				return err
+			}
+		}
+		if _, err := ddl.conn.Exec(ctx, "DROP TABLE IF EXISTS "+qualified); err != nil {
 			return fmt.Errorf("retention: drop %s: %w", name, err)
 		}
 		rep.Dropped = append(rep.Dropped, name)
 	}
+	slices.Sort(rep.Dropped)
 	return nil
 }
 
-func createAhead(ctx context.Context, conn *pgx.Conn, n names, now time.Time, daysAhead int, rep *Report) error {
+// createAhead creates the daily partitions of today and the days ahead: each
+// as a table of its own first, then attached, which locks the claim table
+// less than CREATE ... PARTITION OF, and for at most the lock timeout.
+func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, daysAhead int, rep *Report) error {
+	tables, err := dailyTables(ctx, ddl.conn, n)
+	if err != nil {
+		return err
+	}
 	today := now.Truncate(24 * time.Hour)
 	for i := 0; i <= daysAhead; i++ {
 		day := today.AddDate(0, 0, i)
 		lo, hi := DayRange(day)
 		name := n.table + "_p" + day.UTC().Format("20060102")
-		var exists bool
-		if err := conn.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{n.schema, name}.Sanitize()).Scan(&exists); err != nil {
-			return fmt.Errorf("retention: look up %s: %w", name, err)
-		}
-		if exists {
+		attached, exists := tables[name]
+		if attached {
 			continue
 		}
 		var occupied bool
-		if err := conn.QueryRow(ctx, fmt.Sprintf(defaultHasRowsSQL, n.defaultPart), lo, hi).Scan(&occupied); err != nil {
+		if err := ddl.conn.QueryRow(ctx, fmt.Sprintf(defaultHasRowsSQL, n.defaultPart), lo, hi).Scan(&occupied); err != nil {
 			return fmt.Errorf("retention: check default partition for %s: %w", name, err)
 		}
 		if occupied {
 			rep.Skipped = append(rep.Skipped, name)
 			continue
 		}
-		// DDL takes no bind parameters: the name and bounds are formatted from
-		// a date and two UUID values this function computed, never from input.
-		ddl := fmt.Sprintf("CREATE TABLE IF NOT EXISTS %s PARTITION OF %s FOR VALUES FROM ('%s') TO ('%s')",
-			pgx.Identifier{n.schema, name}.Sanitize(), n.parent, lo, hi)
-		if _, err := conn.Exec(ctx, ddl); err != nil {
-			return fmt.Errorf("retention: create %s: %w", name, err)
+		qualified := pgx.Identifier{n.schema, name}.Sanitize()
+		if !exists {
+			if _, err := ddl.conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+qualified+" (LIKE "+n.parent+" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"); err != nil {
+				return fmt.Errorf("retention: create %s: %w", name, err)
+			}
+		}
+		// DDL takes no bind parameters: the bounds are formatted from two
+		// UUID values this function computed, never from input.
+		attach := fmt.Sprintf("ALTER TABLE %s ATTACH PARTITION %s FOR VALUES FROM ('%s') TO ('%s')", n.parent, qualified, lo, hi)
+		if err := ddl.exec(ctx, "attach "+name, attach); err != nil {
+			return err
 		}
 		rep.Created = append(rep.Created, name)
 	}
@@ -319,4 +413,65 @@ func DayRange(day time.Time) (lo, hi uuid.UUID) {
 // table (public.processed_event) holding day's ids.
 func PartitionName(day time.Time) string {
 	return "processed_event_p" + day.UTC().Format("20060102")
+}
+
+// ErrRetentionDisagrees means a process was started with another retention
+// than the one recorded for the claim table.
+var ErrRetentionDisagrees = errors.New("retention: the retention differs from the one recorded for this claim table")
+
+// Agree records cfg.Retention as the claim table's retention if none is
+// recorded yet, and otherwise returns [ErrRetentionDisagrees] when they
+// differ: consumers judge an event's age by the retention they were given,
+// maintenance deletes by its own, and if maintenance's were shorter it would
+// delete claims the consumers still rely on to skip a redelivery. Serve and
+// maintain both call it at start-up; change the retention on purpose with
+// [SetRetention].
+func Agree(ctx context.Context, cfg Config) error {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
+	table := cfg.Schema + "." + cfg.Table
+	var recorded int64
+	var at time.Time
+	read := func() error {
+		return cfg.DB.QueryRow(ctx, `SELECT retention_seconds, set_at FROM `+policy+` WHERE claim_table = $1`, table).Scan(&recorded, &at)
+	}
+	// Read before writing: a restarted instance must pass this check on a
+	// read-only database (a failover in progress) whenever the policy is
+	// already recorded.
+	err := read()
+	if errors.Is(err, pgx.ErrNoRows) {
+		if _, err := cfg.DB.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+			table, int64(cfg.Retention.Seconds())); err != nil {
+			return fmt.Errorf("retention: record the retention of %s: %w", table, err)
+		}
+		err = read()
+	}
+	if err != nil {
+		return fmt.Errorf("retention: read the retention of %s: %w", table, err)
+	}
+	if got := time.Duration(recorded) * time.Second; got != cfg.Retention.Truncate(time.Second) {
+		return fmt.Errorf("%w: %s keeps claims for %s (recorded %s), this process was given %s",
+			ErrRetentionDisagrees, table, got, at.Format(time.RFC3339), cfg.Retention)
+	}
+	return nil
+}
+
+// SetRetention records retention for the claim table, on purpose: every
+// consumer and maintenance process must then be restarted with it.
+func SetRetention(ctx context.Context, cfg Config) error {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
+	_, err := cfg.DB.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2)
+ON CONFLICT (claim_table) DO UPDATE SET retention_seconds = EXCLUDED.retention_seconds, set_at = now()`,
+		cfg.Schema+"."+cfg.Table, int64(cfg.Retention.Seconds()))
+	if err != nil {
+		return fmt.Errorf("retention: set the retention: %w", err)
+	}
+	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/testenv"
@@ -285,5 +286,127 @@ func TestNamedClaimTable(t *testing.T) {
 	rep = run(t, cfg)
 	if len(rep.Dropped) != 2 || rep.Dropped[0] != "claims_p20250310" {
 		t.Fatalf("dropped %v; want the two expired days of the named table", rep.Dropped)
+	}
+}
+
+// A pass that needs the claim table's exclusive lock while a claim
+// transaction is open (a slow handler) gives way: it waits at most the lock
+// timeout, so the claims queued behind it wait no longer, and tries again;
+// once the transaction ends, a pass detaches and drops the expired day.
+func TestRetentionGivesWayToOpenClaims(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour,
+		LockTimeout: 200 * time.Millisecond, LockRetries: 2}
+	then := at("2025-04-01T12:00:00Z")
+	cfg.Now = func() time.Time { return then }
+	if rep := run(t, cfg); len(rep.Created) != 3 {
+		t.Fatalf("created %v", rep.Created)
+	}
+	claim := `INSERT INTO ` + names.Schema + `.claims (event_id, consumer_group, payload_sha256) VALUES ($1, 'g', '\x00')`
+
+	// A claim transaction that stays open, as a slow handler's does.
+	long, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := long.Exec(ctx, claim, v7At(then)); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Now = func() time.Time { return then.AddDate(0, 0, 5) } // 2025-04-01..03 expired
+	passDone := make(chan retention.Report, 1)
+	passErr := make(chan error, 1)
+	go func() {
+		rep, err := retention.Run(ctx, cfg)
+		passDone <- rep
+		passErr <- err
+	}()
+	// Claims keep flowing while the pass waits for its lock.
+	time.Sleep(100 * time.Millisecond)
+	for i := range 5 {
+		start := time.Now()
+		if _, err := pool.Exec(ctx, claim, v7At(then.Add(time.Duration(i+1)*time.Hour))); err != nil {
+			t.Fatal(err)
+		}
+		if waited := time.Since(start); waited > 800*time.Millisecond {
+			t.Fatalf("a claim waited %s behind the retention pass; want at most about its 200ms lock timeout", waited)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	rep, err := <-passDone, <-passErr
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" || rep.LockWaits != 2 {
+		t.Fatalf("pass with a claim open: report %+v, error %v; want it to give way twice and report the lock timeout", rep, err)
+	}
+	if err := long.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rep = run(t, cfg)
+	if fmt.Sprint(rep.Dropped) != "[claims_p20250401 claims_p20250402 claims_p20250403]" {
+		t.Fatalf("after the claim committed: dropped %v, want the three expired days", rep.Dropped)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('claims_p20250401', 'claims_p20250402', 'claims_p20250403')`, names.Schema).Scan(&left); err != nil || left != 0 {
+		t.Fatalf("%d expired day tables left (%v), want none: detached and dropped", left, err)
+	}
+}
+
+// Processes that keep and judge claims by different retentions are refused:
+// the first records its retention, a later one with another is an error
+// until the retention is changed on purpose.
+func TestProcessesAgreeOnTheRetention(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	week := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 7 * 24 * time.Hour}
+	day := week
+	day.Retention = 24 * time.Hour
+	if err := retention.Agree(ctx, week); err != nil {
+		t.Fatal(err)
+	}
+	if err := retention.Agree(ctx, week); err != nil {
+		t.Fatalf("the same retention again: %v", err)
+	}
+	if err := retention.Agree(ctx, day); !errors.Is(err, retention.ErrRetentionDisagrees) || !strings.Contains(err.Error(), "168h") {
+		t.Fatalf("a shorter retention: %v; want ErrRetentionDisagrees naming the recorded one", err)
+	}
+	if err := retention.SetRetention(ctx, day); err != nil {
+		t.Fatal(err)
+	}
+	if err := retention.Agree(ctx, day); err != nil {
+		t.Fatalf("after setting it on purpose: %v", err)
+	}
+	if err := retention.Agree(ctx, week); !errors.Is(err, retention.ErrRetentionDisagrees) {
+		t.Fatalf("the old retention after the change: %v; want refused", err)
+	}
+	// A restarted instance during a failover meets a read-only database:
+	// the recorded policy must still be checkable.
+	roCfg := pool.Config().Copy()
+	roCfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	ro, err := pgxpool.NewWithConfig(ctx, roCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	if _, err := ro.Exec(ctx, "INSERT INTO "+names.Schema+".once_retention_policy VALUES ('x', 1)"); err == nil || !strings.Contains(err.Error(), "25006") {
+		t.Fatalf("the pool is not read-only: %v", err)
+	}
+	readOnly := day
+	readOnly.DB = ro
+	if err := retention.Agree(ctx, readOnly); err != nil {
+		t.Fatalf("agreeing on a read-only database with the policy recorded: %v", err)
+	}
+	readOnly.Retention = week.Retention
+	if err := retention.Agree(ctx, readOnly); !errors.Is(err, retention.ErrRetentionDisagrees) {
+		t.Fatalf("a disagreement on a read-only database: %v; want refused", err)
 	}
 }

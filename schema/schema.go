@@ -173,6 +173,14 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		up(2, outboxDDL...),
 		// 3: dead letters, parked until Kafka has them (dlq.Store).
 		up(3, letters.TableDDL()),
+		// 4: the retention every process of a claim table agrees on
+		// (retention.Agree): a maintenance with a shorter one than the
+		// consumers' horizon would delete claims they still rely on.
+		up(4, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()+` (
+    claim_table       text        PRIMARY KEY,
+    retention_seconds bigint      NOT NULL,
+    set_at            timestamptz NOT NULL DEFAULT now()
+)`),
 	}, nil
 }
 

@@ -27,13 +27,13 @@ func TestMigrateIntoANamedSchemaTwice(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(applied) != 3 {
-		t.Fatalf("applied %v, want 3 versions", applied)
+	if len(applied) != 4 {
+		t.Fatalf("applied %v, want 4 versions", applied)
 	}
 	if again, err := schema.Migrate(ctx, pool, cfg); err != nil || len(again) != 0 {
 		t.Fatalf("second run applied %v (%v), want nothing", again, err)
 	}
-	for _, table := range []string{"claims", "claims_default", "box", "box_offsets", "letters", "once_schema_version"} {
+	for _, table := range []string{"claims", "claims_default", "box", "box_offsets", "letters", "once_schema_version", "once_retention_policy"} {
 		var ok bool
 		if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, cfg.Schema+"."+table).Scan(&ok); err != nil || !ok {
 			t.Errorf("table %s.%s missing", cfg.Schema, table)

@@ -10,10 +10,12 @@ import (
 
 // retentionSettings are shared by serve (its maintenance loop) and maintain.
 type retentionSettings struct {
-	Mode      string        `name:"retention-mode" env:"ONCE_RETENTION_MODE" default:"partitioned" enum:"partitioned,delete" help:"partitioned: daily partitions, dropped whole; delete: batch deletes from one table."`
-	Retention time.Duration `name:"dedup-retention" env:"ONCE_DEDUP_RETENTION" default:"168h" help:"How long processed_event keeps a claim; the dedup horizon."`
-	DaysAhead int           `name:"partitions-ahead" env:"ONCE_PARTITIONS_AHEAD" default:"2" help:"Daily partitions kept ready beyond today."`
-	BatchSize int           `name:"delete-batch" env:"ONCE_DELETE_BATCH" default:"5000" help:"Rows per delete statement."`
+	Mode        string        `name:"retention-mode" env:"ONCE_RETENTION_MODE" default:"partitioned" enum:"partitioned,delete" help:"partitioned: daily partitions, dropped whole; delete: batch deletes from one table."`
+	Retention   time.Duration `name:"dedup-retention" env:"ONCE_DEDUP_RETENTION" default:"168h" help:"How long processed_event keeps a claim; the dedup horizon."`
+	DaysAhead   int           `name:"partitions-ahead" env:"ONCE_PARTITIONS_AHEAD" default:"2" help:"Daily partitions kept ready beyond today."`
+	BatchSize   int           `name:"delete-batch" env:"ONCE_DELETE_BATCH" default:"5000" help:"Rows per delete statement."`
+	LockTimeout time.Duration `name:"retention-lock-timeout" env:"ONCE_RETENTION_LOCK_TIMEOUT" default:"2s" help:"Longest wait of partition DDL for its lock on the claim table; claims queue behind it no longer."`
+	LockRetries int           `name:"retention-lock-retries" env:"ONCE_RETENTION_LOCK_RETRIES" default:"5" help:"Tries of a partition statement whose lock was busy, with a growing pause."`
 }
 
 func (r *retentionSettings) Validate() error {
@@ -26,17 +28,22 @@ func (r *retentionSettings) Validate() error {
 	if r.BatchSize < 1 {
 		return fmt.Errorf("--delete-batch (ONCE_DELETE_BATCH) must be at least 1")
 	}
+	if r.LockTimeout <= 0 || r.LockRetries < 0 {
+		return fmt.Errorf("--retention-lock-timeout must be positive and --retention-lock-retries not negative")
+	}
 	return nil
 }
 
 func (r *retentionSettings) config(d deps) retention.Config {
-	return retention.Config{Mode: retention.Mode(r.Mode), Retention: r.Retention, DaysAhead: r.DaysAhead, BatchSize: r.BatchSize, Logger: d.log}
+	return retention.Config{Mode: retention.Mode(r.Mode), Retention: r.Retention, DaysAhead: r.DaysAhead, BatchSize: r.BatchSize,
+		LockTimeout: r.LockTimeout, LockRetries: r.LockRetries, Logger: d.log}
 }
 
 type maintainCmd struct {
 	DB             dbSettings        `embed:""`
 	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them; each is maintained too."`
 	Retention      retentionSettings `embed:""`
+	SetRetention   bool              `name:"set-retention" help:"Record --dedup-retention as the claim tables' retention, replacing the one recorded; restart every serve with it afterwards."`
 }
 
 func (m *maintainCmd) Run(ctx context.Context, d deps) error {
@@ -57,6 +64,13 @@ func (m *maintainCmd) Run(ctx context.Context, d deps) error {
 	for _, db := range pools.all {
 		cfg := m.Retention.config(d)
 		cfg.DB = db
+		if m.SetRetention {
+			if err := retention.SetRetention(ctx, cfg); err != nil {
+				return err
+			}
+		} else if err := retention.Agree(ctx, cfg); err != nil {
+			return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; to change it on purpose, pass --set-retention", err)
+		}
 		rep, err := retention.Run(ctx, cfg)
 		if err != nil {
 			return fmt.Errorf("database %s: %w", db.Config().ConnConfig.Database, err)

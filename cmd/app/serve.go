@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
@@ -10,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/middleware/idempotency"
@@ -29,11 +31,12 @@ type serveCmd struct {
 	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
 	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"A database of its own for a group (its claims and its tables), e.g. billing=postgres://...; groups not listed use --database-url."`
 
-	Groups     []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
-	CommitMode string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
-	CommitInt  time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
-	HoldMax    time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
-	Migrate    bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
+	Groups         []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
+	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
+	CommitInt      time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
+	AttemptTimeout time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
+	HoldMax        time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
+	Migrate        bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
 	GroupSuffix      string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
 	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
@@ -58,9 +61,10 @@ type topics struct {
 
 // groupDeps is what a group's handlers are built from.
 type groupDeps struct {
-	s    *serveCmd
-	name string // with the suffix
-	db   *pgxpool.Pool
+	s       *serveCmd
+	name    string // with the suffix
+	db      *pgxpool.Pool
+	intents *pgxpool.Pool // a small pool of the same database, for work outside the claim's transaction
 }
 
 // handlers lists the consumer groups this binary can run, and adds each to
@@ -81,7 +85,8 @@ var handlers = map[string]func(groupDeps, *topics) error{
 		if err != nil {
 			return err
 		}
-		h := billing.Handler{Payments: client, Currency: d.s.BillingCurrency, DB: d.db, Outbox: box, Topic: d.s.Kafka.payments()}
+		h := billing.Handler{Payments: client, Currency: d.s.BillingCurrency, DB: d.intents, Outbox: box, Topic: d.s.Kafka.payments(),
+			Horizon: d.s.Retention.Retention - d.s.MaxClockSkew}
 		if err := h.Validate(); err != nil {
 			return fmt.Errorf("--billing-currency (BILLING_CURRENCY): %w", err)
 		}
@@ -138,7 +143,7 @@ func (s *serveCmd) Validate() error {
 		if handlers[g] == nil {
 			return fmt.Errorf("--group-database (ONCE_GROUP_DATABASES): unknown group %q", g)
 		}
-		if err := (&dbSettings{DatabaseURL: url, MaxConns: s.DB.MaxConns}).Validate(); err != nil {
+		if err := (&dbSettings{DatabaseURL: url, MaxConns: s.DB.MaxConns, ConnectTimeout: s.DB.ConnectTimeout, StatementTimeout: s.DB.StatementTimeout}).Validate(); err != nil {
 			return fmt.Errorf("--group-database (ONCE_GROUP_DATABASES) %s: %w", g, err)
 		}
 	}
@@ -205,8 +210,24 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		cancelled: pipeline.Topic[order.Cancelled]{Name: s.Kafka.cancelled(), DLQ: dlqOf(s.Kafka.cancelled()), Decode: order.DecodeCancelled},
 		payments:  pipeline.Topic[order.Payment]{Name: s.Kafka.payments(), DLQ: dlqOf(s.Kafka.payments()), Decode: order.DecodePayment},
 	}
+	side := map[*pgxpool.Pool]*pgxpool.Pool{}
 	for _, g := range s.Groups {
-		if err := handlers[g](groupDeps{s: s, name: g + s.GroupSuffix, db: pools.of[g]}, t); err != nil {
+		db := pools.of[g]
+		if side[db] == nil {
+			// Billing commits its charge intents outside the claim's
+			// transaction: from a pool of their own, so that an attempt that
+			// holds a claim's connection never waits for another from the
+			// same pool (all of them could be waiting).
+			cfg := db.Config().Copy()
+			cfg.MaxConns = 4
+			p, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				return fmt.Errorf("DATABASE_URL: %w", err)
+			}
+			defer p.Close()
+			side[db] = p
+		}
+		if err := handlers[g](groupDeps{s: s, name: g + s.GroupSuffix, db: db, intents: side[db]}, t); err != nil {
 			return err
 		}
 		if g == "billing" {
@@ -226,17 +247,19 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 
 	var commits, forwards atomic.Int64
 	p, err := pipeline.New(pipeline.Config{
-		Brokers:        s.Kafka.Brokers,
-		KafkaVersion:   s.Kafka.KafkaVersion,
-		DB:             pool,
-		Topics:         bindings,
-		MaxEventAge:    s.Retention.Retention - s.MaxClockSkew,
-		MaxClockSkew:   s.MaxClockSkew,
-		CommitMode:     pipeline.CommitMode(s.CommitMode),
-		CommitInterval: s.CommitInt,
-		HoldMaxBackoff: s.HoldMax,
-		Logger:         d.log,
-		SessionTimeout: s.SessionTimeout,
+		Brokers:          s.Kafka.Brokers,
+		KafkaVersion:     s.Kafka.KafkaVersion,
+		DB:               pool,
+		Topics:           bindings,
+		MaxEventAge:      s.Retention.Retention - s.MaxClockSkew,
+		MaxClockSkew:     s.MaxClockSkew,
+		CommitMode:       pipeline.CommitMode(s.CommitMode),
+		CommitInterval:   s.CommitInt,
+		HoldMaxBackoff:   s.HoldMax,
+		StatementTimeout: s.DB.StatementTimeout,
+		AttemptTimeout:   s.AttemptTimeout,
+		Logger:           d.log,
+		SessionTimeout:   s.SessionTimeout,
 		OnResult: func(r idempotency.Result) {
 			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
 			if r.Outcome == idempotency.Processed && s.KillAfterCommit > 0 && commits.Add(1) == int64(s.KillAfterCommit) {
@@ -256,14 +279,40 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
+	for _, db := range pools.all {
+		rcfg := s.Retention.config(d)
+		rcfg.DB = db
+		// A disagreement is a configuration error and stops start-up; a
+		// database that cannot record the policy yet (read-only during a
+		// failover, on a first start) is waited for, as a claim would be.
+		exp := backoff.NewExponentialBackOff()
+		exp.MaxInterval = 10 * time.Second
+		_, err := backoff.Retry(ctx, func() (struct{}, error) {
+			err := retention.Agree(ctx, rcfg)
+			if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) {
+				return struct{}{}, backoff.Permanent(err)
+			}
+			d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
+			return struct{}{}, err
+		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
+		if err != nil {
+			return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; start every process with the same, or change it with app maintain --set-retention", err)
+		}
+	}
 	// One pass per database before consuming, so today's partitions exist;
 	// no claim ever waits for one, but claims in the default partition are
 	// the slower path.
 	for _, db := range pools.all {
 		rcfg := s.Retention.config(d)
 		rcfg.DB = db
+		// A failed pass (a read-only database during a failover) must not
+		// stop a restarted instance from consuming: the next pass catches up.
 		if _, err := retention.Run(ctx, rcfg); err != nil {
-			return err
+			next := "the next pass retries in " + s.MaintenanceInterval.String()
+			if s.MaintenanceInterval == 0 {
+				next = "app maintain must run"
+			}
+			d.log.Error("retention pass failed at start-up; consuming anyway", "next", next, "err", err)
 		}
 		if s.MaintenanceInterval > 0 {
 			go retention.Loop(ctx, rcfg, s.MaintenanceInterval)
@@ -277,6 +326,13 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 				d.log.Error("prune outbox", "err", err)
 			} else if n > 0 {
 				d.log.Info("pruned forwarded outbox rows", "rows", n)
+			}
+			if slices.Contains(s.Groups, "billing") {
+				if n, err := billing.PruneIntents(ctx, db, s.Retention.Retention); err != nil {
+					d.log.Error("prune charge intents", "err", err)
+				} else if n > 0 {
+					d.log.Info("pruned settled charge intents", "rows", n)
+				}
 			}
 		})
 	}
