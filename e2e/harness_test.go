@@ -55,6 +55,7 @@ type scenario struct {
 
 	providerURL string
 	provider    *proc
+	ordersURL   string
 
 	mu        sync.Mutex
 	events    []order.Confirmed
@@ -69,11 +70,22 @@ type scenario struct {
 	kills    int
 	restarts int
 	rebal    int
+	// exactlyOnceDLQ: every poison message and declined order must be in the
+	// dead-letter topic exactly once per group (no replay in the scenario).
+	exactlyOnceDLQ bool
+	// env is added to every process's environment.
+	env []string
 }
 
 func newScenario(t *testing.T, name string, partitions int32) *scenario {
 	t.Helper()
-	brokers := testenv.Brokers(t)
+	return newScenarioOn(t, name, partitions, testenv.Brokers(t), 1)
+}
+
+// newScenarioOn runs the scenario on other brokers (a cluster), its topics
+// with that replication factor.
+func newScenarioOn(t *testing.T, name string, partitions int32, brokers []string, replication int16) *scenario {
+	t.Helper()
 	suffix := ".e2e-" + uuid.NewString()[:8]
 	s := &scenario{
 		t:        t,
@@ -95,13 +107,16 @@ func newScenario(t *testing.T, name string, partitions int32) *scenario {
 			t.Fatal(err)
 		}
 	}
+	if strings.Join(brokers, ",") != os.Getenv("KAFKA_BROKERS") {
+		s.env = append(s.env, "KAFKA_BROKERS="+strings.Join(brokers, ","))
+	}
 	s.dlq = s.topic + ".dlq"
-	admin := testenv.Admin(t, brokers)
+	admin := testenv.AdminOn(t, brokers)
 	for _, topic := range []string{s.topic, s.cancels, s.payments} {
-		if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
+		if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: replication}, false); err != nil {
 			t.Fatal(err)
 		}
-		if err := admin.CreateTopic(topic+".dlq", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+		if err := admin.CreateTopic(topic+".dlq", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: replication}, false); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -124,7 +139,7 @@ func newScenario(t *testing.T, name string, partitions int32) *scenario {
 		for _, pr := range s.procs {
 			pr.kill()
 		}
-		p.Close()
+		s.producer.Close()
 	})
 	return s
 }
@@ -162,7 +177,7 @@ func (s *scenario) startEnv(name string, env []string, args ...string) *proc {
 	}
 	cmd := exec.Command(appBinary, args...)
 	cmd.Stdout, cmd.Stderr = f, f
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = append(append(os.Environ(), s.env...), env...)
 	if err := cmd.Start(); err != nil {
 		s.t.Fatal(err)
 	}
@@ -811,9 +826,31 @@ func (s *scenario) analyticsNow() analyticsFigures {
 // there, dead-lettered by both groups, with a reason.
 func (s *scenario) verifyPoison() {
 	t := s.t
-	if len(s.poison) == 0 {
-		return
+	seen := s.deadLetters()
+	for _, p := range s.poison {
+		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
+			if len(seen[string(p)][g]) == 0 || seen[string(p)][g][0] == "" {
+				t.Errorf("poison message %.60q not dead-lettered with a reason by %s", p, g)
+			}
+			if s.exactlyOnceDLQ && len(seen[string(p)][g]) > 1 {
+				t.Errorf("poison message %.60q dead-lettered %d times by %s, want once", p, len(seen[string(p)][g]), g)
+			}
+		}
 	}
+	if s.exactlyOnceDLQ {
+		for _, ev := range s.declined {
+			b, _ := ev.MarshalJSON()
+			if n := len(seen[string(b)][s.group(billingGroup)]); n != 1 {
+				t.Errorf("declined order %d dead-lettered %d times by billing, want once", ev.OrderID(), n)
+			}
+		}
+	}
+}
+
+// deadLetters reads the scenario's order-confirmed dead-letter topic:
+// payload -> group -> the reason of each copy.
+func (s *scenario) deadLetters() map[string]map[string][]string {
+	t := s.t
 	cfg := sarama.NewConfig()
 	cfg.Consumer.Fetch.Max = 2 << 20
 	c, err := sarama.NewConsumer(s.brokers, cfg)
@@ -826,7 +863,7 @@ func (s *scenario) verifyPoison() {
 		t.Fatal(err)
 	}
 	defer pc.Close()
-	seen := map[string]map[string]string{} // payload -> group -> reason
+	seen := map[string]map[string][]string{}
 	for {
 		select {
 		case m := <-pc.Messages():
@@ -840,20 +877,71 @@ func (s *scenario) verifyPoison() {
 				}
 			}
 			if seen[string(m.Value)] == nil {
-				seen[string(m.Value)] = map[string]string{}
+				seen[string(m.Value)] = map[string][]string{}
 			}
-			seen[string(m.Value)][group] = reason
+			seen[string(m.Value)][group] = append(seen[string(m.Value)][group], reason)
 			continue
 		case <-time.After(3 * time.Second):
 		}
 		break
 	}
-	for _, p := range s.poison {
-		for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
-			if reason := seen[string(p)][g]; reason == "" {
-				t.Errorf("poison message %.60q not dead-lettered with a reason by %s", p, g)
-			}
+	return seen
+}
+
+// held counts the attempts held because the environment failed, and the
+// messages dead-lettered, over every consumer's log.
+func (o outcomes) held() int {
+	return o.lines["holding the message: its attempt failed for a reason that is not the message's own; retrying"]
+}
+func (o outcomes) deadLettered() int { return o.lines["dead-lettered"] }
+
+// stillRunning fails the test for every consumer that exited on its own.
+func (s *scenario) stillRunning(procs ...*proc) {
+	s.t.Helper()
+	for _, p := range procs {
+		if !p.running() {
+			s.t.Errorf("%s exited during the fault: %s", p.name, tail(p.log, 10))
 		}
+	}
+}
+
+// sql runs statements on a connection of its own to the test database,
+// as its superuser, with read-only transactions off for the session.
+func (s *scenario) sql(stmts ...string) {
+	s.t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "SET default_transaction_read_only = off"); err != nil {
+		s.t.Fatal(err)
+	}
+	for _, st := range stmts {
+		if _, err := conn.Exec(ctx, st); err != nil {
+			s.t.Fatalf("%s: %v", st, err)
+		}
+	}
+}
+
+// devService runs dev/<script>.sh with args and fails the test if it fails;
+// scenarios that crash a service skip unless it is the one dev/test.sh runs.
+func (s *scenario) devService(script string, args ...string) {
+	s.t.Helper()
+	out, err := exec.Command(filepath.Join(repoRoot, "dev", script+".sh"), args...).CombinedOutput()
+	if err != nil {
+		s.t.Fatalf("dev/%s.sh %v: %v\n%s", script, args, err, out)
+	}
+}
+
+func (s *scenario) requireDevService(script string) {
+	s.t.Helper()
+	if err := exec.Command(filepath.Join(repoRoot, "dev", script+".sh"), "status").Run(); err != nil {
+		if os.Getenv("ONCE_REQUIRE_SERVICES") != "" && os.Getenv("ONCE_EXTERNAL_SERVICES") == "" {
+			s.t.Fatalf("dev/%s.sh is not running, but the suite runs under dev/test.sh", script)
+		}
+		s.t.Skipf("the service is not the one dev/%s.sh runs; this scenario crashes it and cannot crash yours", script)
 	}
 }
 
