@@ -419,9 +419,11 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		MaxClockSkew:     cfg.MaxClockSkew,
 		TooOld:           g.tooOld,
 		StatementTimeout: cfg.StatementTimeout,
-		OnResult:         cfg.OnResult,
-		Logger:           cfg.Logger,
-		LogAttrs:         kafkaLogAttrs,
+		// No pause inside an attempt outlasts the attempt itself.
+		IdleInTransactionTimeout: cfg.AttemptTimeout + cfg.StatementTimeout,
+		OnResult:                 cfg.OnResult,
+		Logger:                   cfg.Logger,
+		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
 			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
 		},

@@ -49,6 +49,11 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 			break
 		}
 	}
+	if p.blackHole.Load() {
+		// A black hole drops the goodbye too: the far end never learns this
+		// side is gone, and keeps its session until its own timeouts end it.
+		return
+	}
 	dst.Close()
 }
 

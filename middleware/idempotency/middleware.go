@@ -13,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/internal/durable"
 )
 
 // claimSQL is the whole dedup decision (R-KFK-IDEM-2): one row inserted means
@@ -21,8 +23,11 @@ import (
 // the first transaction ends, then gets zero rows (or inserts, if the first
 // rolled back).
 //
-// %s is the claim table's quoted, schema-qualified name (Config.Schema and
-// Config.Table), fixed when the middleware is created.
+// The first %s is the claim table's quoted, schema-qualified name
+// (Config.Schema and Config.Table), fixed when the middleware is created; the
+// second, the retention policy every process of that table agrees on
+// (package retention), read with the claim so that a retention shortened
+// while this process runs tightens its horizon from the next claim on.
 //
 // processed_at defaults to now(), the transaction's start on the database's
 // clock: the dedup horizon is checked against it.
@@ -31,14 +36,19 @@ import (
 // returns, whatever the server, database or role default: with
 // synchronous_commit off, a commit returns before its WAL is flushed, the
 // offset moves on, and a database crash then erases an effect whose message
-// was acknowledged. It only raises "off" to "local" and leaves every stronger
-// setting (on, remote_write, remote_apply) as it is; set_config(..., true)
-// lasts for this transaction only, and riding on the claim costs no round trip.
+// was acknowledged (package durable).
+//
+// It also bounds how long the server keeps the transaction open while idle
+// ($4, Config.IdleInTransactionTimeout; NULL keeps the server's setting). A
+// client that vanished behind a network black hole cannot tell the server it
+// gave up: its backend would keep the claim's row lock (and any lock the
+// handler took) until TCP keepalive notices, two hours by default, and the
+// partition's next owner would wait on it all that time.
 const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-SELECT $1, $2, $3 FROM (SELECT set_config('synchronous_commit',
-    CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true)) AS durable
+SELECT $1, $2, $3 FROM (SELECT ` + durable.RaiseSynchronousCommit + `,
+  set_config('idle_in_transaction_session_timeout', coalesce($4::text, current_setting('idle_in_transaction_session_timeout')), true)) AS bounded
 ON CONFLICT (event_id, consumer_group) DO NOTHING
-RETURNING processed_at`
+RETURNING processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
 
 // storedHashSQL runs as its own statement, after the claim, on purpose: at
 // READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
@@ -85,6 +95,16 @@ type Config struct {
 	// router (pipeline.Config.AttemptTimeout). Default: 30s.
 	StatementTimeout time.Duration
 
+	// IdleInTransactionTimeout is how long the server lets the claim's
+	// transaction sit idle (between the handler's statements) before it ends
+	// the session and rolls the claim back: the only way a claim held by a
+	// client the network lost is released before the server's TCP
+	// keepalive, hours later. Set it above the longest pause a handler makes
+	// inside its transaction (a payment call with its retries); pipeline
+	// uses its AttemptTimeout plus StatementTimeout. Default: 5m. Negative:
+	// the server's own setting.
+	IdleInTransactionTimeout time.Duration
+
 	// FinishTimeout bounds commit and rollback. They run on a context detached
 	// from the message's, because Watermill cancels in-flight message contexts
 	// when the router closes, and a commit cancelled half-way would turn a
@@ -95,6 +115,9 @@ type Config struct {
 	// processed_event may be gone, so a redelivery of an event whose id is
 	// older than MaxEventAge could run again. TooOld decides what happens to
 	// such an event. Set it to the retention minus MaxClockSkew. 0 disables.
+	// When the table's retention recorded by package retention is shorter
+	// (changed with app maintain --set-retention while this runs), that one
+	// minus MaxClockSkew applies, from the next claim on.
 	MaxEventAge time.Duration
 	// TooOld is the policy for events beyond MaxEventAge. Default
 	// [RejectTooOld], the only safe choice for money.
@@ -149,6 +172,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = 10 * time.Second
+	}
+	if c.IdleInTransactionTimeout == 0 {
+		c.IdleInTransactionTimeout = 5 * time.Minute
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -255,9 +281,11 @@ type Result struct {
 // Middleware is the idempotent-consumer middleware of one consumer group.
 // Create one per group with [New]; it is safe for concurrent use.
 type Middleware struct {
-	cfg       Config
-	claimSQL  string
-	storedSQL string
+	cfg        Config
+	claimSQL   string
+	idleLimit  *string // milliseconds, for set_config; nil keeps the server's
+	claimTable string  // the retention policy's key
+	storedSQL  string
 }
 
 // New validates cfg and returns the middleware.
@@ -267,7 +295,14 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, err
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
-	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table), storedSQL: fmt.Sprintf(storedHashSQL, table)}, nil
+	var idleLimit *string
+	if cfg.IdleInTransactionTimeout > 0 {
+		ms := fmt.Sprint(max(cfg.IdleInTransactionTimeout.Milliseconds(), 1))
+		idleLimit = &ms
+	}
+	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
+	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table, policy), storedSQL: fmt.Sprintf(storedHashSQL, table),
+		idleLimit: idleLimit, claimTable: cfg.Schema + "." + cfg.Table}, nil
 }
 
 // Middleware wraps h as described in the package documentation. Errors it
@@ -321,16 +356,16 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 // checkHorizon applies MaxEventAge and MaxClockSkew to the time in the id,
 // at now on the database's clock.
-func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time) error {
-	if m.cfg.MaxEventAge == 0 && m.cfg.MaxClockSkew == 0 {
+func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time, maxAge time.Duration) error {
+	if maxAge == 0 && m.cfg.MaxClockSkew == 0 {
 		return nil
 	}
 	at := uuidV7Time(key)
 	if m.cfg.MaxClockSkew > 0 && at.After(now.Add(m.cfg.MaxClockSkew)) {
 		return Permanent(fmt.Errorf("%w: event %s is from %s, more than %s ahead", ErrFromTheFuture, key, at.Format(time.RFC3339), m.cfg.MaxClockSkew))
 	}
-	if m.cfg.MaxEventAge > 0 && m.cfg.TooOld == RejectTooOld && at.Before(now.Add(-m.cfg.MaxEventAge)) {
-		return Permanent(fmt.Errorf("%w: event %s is from %s, older than %s", ErrTooOld, key, at.Format(time.RFC3339), m.cfg.MaxEventAge))
+	if maxAge > 0 && m.cfg.TooOld == RejectTooOld && at.Before(now.Add(-maxAge)) {
+		return Permanent(fmt.Errorf("%w: event %s is from %s, older than %s", ErrTooOld, key, at.Format(time.RFC3339), maxAge))
 	}
 	return nil
 }
@@ -360,9 +395,10 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	}()
 
 	var claimedAt time.Time
+	var retentionSeconds *int64
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
-	err = tx.QueryRow(stmtCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum).Scan(&claimedAt)
+	err = tx.QueryRow(stmtCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
 		if err := tx.QueryRow(stmtCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
@@ -382,7 +418,13 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	if m.cfg.Now != nil {
 		claimedAt = m.cfg.Now()
 	}
-	if err := m.checkHorizon(key, claimedAt); err != nil {
+	maxAge := m.cfg.MaxEventAge
+	if retentionSeconds != nil && maxAge > 0 {
+		// Claims are kept no longer than the recorded retention, whatever
+		// this process was started with.
+		maxAge = min(maxAge, time.Duration(*retentionSeconds)*time.Second-m.cfg.MaxClockSkew)
+	}
+	if err := m.checkHorizon(key, claimedAt, maxAge); err != nil {
 		return OutsideHorizon, nil, err
 	}
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,6 +19,8 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/schema"
 )
 
 // effects is a business table written only through the claim's transaction;
@@ -542,6 +545,103 @@ func TestSilentDatabaseIsBoundedByTheStatementTimeout(t *testing.T) {
 	}
 	if !proxy.Swallowed() {
 		t.Fatal("the black hole swallowed nothing: the fault did not happen")
+	}
+}
+
+// A consumer the network lost in the middle of its transaction cannot tell
+// the server it gave up (the black hole drops its close too). The server
+// must end that transaction itself, soon, or the claim it holds blocks the
+// partition's next owner until TCP keepalive notices, hours later.
+func TestAClaimLeftByALostClientIsReleased(t *testing.T) {
+	direct := setup(t)
+	lost, proxy := testenv.ProxiedPostgres(t, direct)
+	group := uniqueGroup(t, "g")
+	_, msg := newEvent(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	msg.SetContext(ctx)
+	a := newMiddleware(t, idempotency.Config{DB: lost, ConsumerGroup: group, StatementTimeout: time.Second,
+		FinishTimeout: time.Second, IdleInTransactionTimeout: 3 * time.Second})
+	var backend int32
+	done := make(chan error, 1)
+	go func() {
+		_, err := a.Middleware(func(m *message.Message) ([]*message.Message, error) {
+			tx, _ := idempotency.TxFromContext(m.Context())
+			if err := tx.QueryRow(m.Context(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+				return nil, err
+			}
+			proxy.BlackHole(true) // mid-handler, e.g. while calling a provider
+			<-m.Context().Done()  // the partition is revoked
+			return nil, m.Context().Err()
+		})(msg)
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	cancel()
+	var state string
+	if err := direct.QueryRow(context.Background(), `SELECT state FROM pg_stat_activity WHERE pid = $1`, backend).Scan(&state); err != nil || state != "idle in transaction" {
+		t.Fatalf("the lost client's backend: %q, %v; want it idle in transaction, holding the claim", state, err)
+	}
+	start := time.Now()
+	if err := <-done; err == nil {
+		t.Fatal("the lost attempt succeeded")
+	}
+	t.Logf("the lost attempt gave up after %s", time.Since(start).Round(time.Millisecond))
+	if !proxy.Swallowed() {
+		t.Fatal("the black hole swallowed nothing: the fault did not happen")
+	}
+
+	// The partition's next owner, on a healthy network, gets the message.
+	b := newMiddleware(t, idempotency.Config{DB: direct, ConsumerGroup: group, StatementTimeout: 500 * time.Millisecond})
+	var runs atomic.Int64
+	var err error
+	for attempt := 0; attempt < 20 && runs.Load() == 0; attempt++ {
+		_, err = b.Middleware(recordEffect(group, &runs))(msg.Copy())
+		if err != nil && idempotency.IsPermanent(err) {
+			t.Fatalf("waiting behind a lost claim is the environment's fault, not the message's: %v", err)
+		}
+	}
+	if runs.Load() != 1 {
+		t.Fatalf("the next owner never ran the handler (last error %v): the lost client's transaction still holds the claim", err)
+	}
+	t.Logf("the next owner ran it %s after the loss", time.Since(start).Round(time.Millisecond))
+	proxy.Cut() // else closing the lost pool waits out pgx's 15 s goodbye into the black hole
+}
+
+// A retention shortened while consumers run (app maintain --set-retention)
+// drops claims at once; a consumer started with the longer one must judge
+// first claims by the recorded retention from then on, or it would process
+// again an event whose claim was just dropped.
+func TestARecordedShorterRetentionTightensTheHorizon(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := schema.Config{Schema: "idem_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	group := uniqueGroup(t, "g")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, Schema: names.Schema, Table: names.ClaimTable,
+		MaxEventAge: 7 * 24 * time.Hour, MaxClockSkew: 5 * time.Minute})
+	fiveDaysOld := func() *message.Message {
+		id, err := uuid.NewV7()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ms := time.Now().Add(-5 * 24 * time.Hour).UnixMilli()
+		for i := range 6 {
+			id[i] = byte(ms >> (40 - 8*i))
+		}
+		return newMessage(id, `"amount":"1.00"`)
+	}
+	if _, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fiveDaysOld()); err != nil {
+		t.Fatalf("five days old under a week's retention: %v", err)
+	}
+	rcfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 3 * 24 * time.Hour}
+	if err := retention.SetRetention(ctx, rcfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fiveDaysOld()); !errors.Is(err, idempotency.ErrTooOld) {
+		t.Fatalf("five days old after the retention became three days: %v; want ErrTooOld", err)
 	}
 }
 
