@@ -12,6 +12,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/once-dev/once/internal/durable"
 )
 
 // DefaultTable holds dead letters until Kafka has them (package schema
@@ -134,7 +136,8 @@ func (s *Store) Park(ctx context.Context, db Execer, letters ...Letter) error {
 		if err != nil {
 			return fmt.Errorf("dlq: encode headers: %w", err)
 		}
-		if _, err := db.Exec(ctx, `INSERT INTO `+s.table+` (topic, key, payload, headers) VALUES ($1, $2, $3, $4)`,
+		// Durable before it returns: the message is acknowledged right after.
+		if _, err := db.Exec(ctx, `INSERT INTO `+s.table+` (topic, key, payload, headers) SELECT $1, $2, $3, $4 FROM (SELECT `+durable.RaiseSynchronousCommit+`) AS durable`,
 			l.Topic, l.Key, l.Payload, headers); err != nil {
 			return fmt.Errorf("dlq: park a dead letter for %s: %w", l.Topic, err)
 		}
@@ -226,7 +229,9 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 		letter   Letter
 		attempts int
 	}
+	leased := time.Now()
 	var due []taken
+	undecodable := map[int64]error{}
 	for rows.Next() {
 		var t taken
 		var headers []byte
@@ -235,15 +240,36 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 			return 0, err
 		}
 		if t.letter.Headers, err = decodeHeaders(headers); err != nil {
-			rows.Close()
-			return 0, fmt.Errorf("dlq: headers of parked letter %d: %w", t.id, err)
+			undecodable[t.id] = err
+			continue
 		}
 		due = append(due, t)
 	}
 	if err := rows.Err(); err != nil {
 		return 0, err
 	}
-	for _, t := range due {
+	// A row this version cannot read (written by hand, or by a newer
+	// version) stays parked for a person, and never holds the others up.
+	for id, derr := range undecodable {
+		cfg.Logger.Error("dead letters: a parked letter's headers cannot be read; it stays parked for a person (app dlq list)", "letter", id, "err", derr)
+		if _, err := cfg.DB.Exec(ctx, `UPDATE `+s.table+` SET last_error = $2, next_attempt_at = now() + make_interval(secs => $3) WHERE id = $1`,
+			id, "headers cannot be read: "+derr.Error(), cfg.MaxBackoff.Seconds()); err != nil {
+			return len(due) + len(undecodable), fmt.Errorf("dlq: note unreadable letter %d: %w", id, err)
+		}
+	}
+	for i, t := range due {
+		// Past half the lease, another drainer may take these soon and
+		// publish them too: give the rest back rather than race it.
+		if time.Since(leased) > cfg.Lease/2 {
+			rest := make([]int64, 0, len(due)-i)
+			for _, r := range due[i:] {
+				rest = append(rest, r.id)
+			}
+			if _, err := cfg.DB.Exec(ctx, `UPDATE `+s.table+` SET next_attempt_at = now(), attempts = attempts - 1 WHERE id = ANY($1)`, rest); err != nil {
+				return len(due) + len(undecodable), fmt.Errorf("dlq: give back %d letters: %w", len(rest), err)
+			}
+			return i + len(undecodable), nil
+		}
 		pm := &sarama.ProducerMessage{Topic: t.letter.Topic, Value: sarama.ByteEncoder(t.letter.Payload)}
 		if len(t.letter.Key) > 0 {
 			pm.Key = sarama.ByteEncoder(t.letter.Key)
@@ -270,7 +296,7 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 			cfg.OnPublished(t.letter)
 		}
 	}
-	return len(due), nil
+	return len(due) + len(undecodable), nil
 }
 
 // Parked is a letter waiting in the table.
@@ -295,8 +321,11 @@ func (s *Store) List(ctx context.Context, db DB, limit int) ([]Parked, error) {
 		if err := row.Scan(&p.ID, &p.Topic, &headers, &p.CreatedAt, &p.Attempts, &p.LastError); err != nil {
 			return p, err
 		}
-		var err error
-		p.Headers, err = decodeHeaders(headers)
-		return p, err
+		// An unreadable row is listed too, headers left out: it is the one a
+		// person most needs to see (its last_error says why).
+		if h, err := decodeHeaders(headers); err == nil {
+			p.Headers = h
+		}
+		return p, nil
 	})
 }

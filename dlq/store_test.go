@@ -2,12 +2,14 @@ package dlq_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/testenv"
@@ -87,5 +89,83 @@ func TestParkedLettersDrainOneByOne(t *testing.T) {
 	}
 	if got[0] != "first" || got[1] != "second" {
 		t.Fatalf("topic holds %v", got)
+	}
+}
+
+func newStore(t *testing.T) (*dlq.Store, schema.Config, *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	pool := testenv.Postgres(t)
+	names := schema.Config{Schema: "dlq_test_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	store, err := dlq.NewStore(dlq.StoreConfig{Schema: names.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return store, names, pool
+}
+
+// A parked letter's message is acknowledged right after the park commits, so
+// the commit must be durable whatever the server's synchronous_commit: the
+// park raises "off" to "local" for its transaction.
+func TestParkIsDurableWhateverTheDefault(t *testing.T) {
+	ctx := context.Background()
+	store, _, pool := newStore(t)
+	cfg := pool.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
+	lax, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lax.Close()
+	tx, err := lax.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var before, after string
+	_ = tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&before)
+	if err := store.Park(ctx, tx, dlq.Letter{Topic: "t", Payload: []byte("p")}); err != nil {
+		t.Fatal(err)
+	}
+	_ = tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&after)
+	if before != "off" || after != "local" {
+		t.Fatalf("synchronous_commit %q before the park, %q after; want off raised to local", before, after)
+	}
+}
+
+// A row whose headers this version cannot read stays parked, with the
+// reason, and the letters behind it are published all the same.
+func TestAnUnreadableLetterHoldsNoOtherUp(t *testing.T) {
+	ctx := context.Background()
+	store, names, pool := newStore(t)
+	brokers := testenv.Brokers(t)
+	topic := testenv.Topic(t, brokers, 1)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+names.Schema+`.once_dead_letter (topic, payload, headers) VALUES ($1, 'x', '"not a list"')`, topic); err != nil {
+		t.Fatal(err)
+	}
+	var good []dlq.Letter
+	for i := range 12 {
+		good = append(good, dlq.Letter{Topic: topic, Payload: []byte(fmt.Sprint("good ", i))})
+	}
+	if err := store.Park(ctx, pool, good...); err != nil {
+		t.Fatal(err)
+	}
+	var published int
+	cfg := dlq.DrainConfig{DB: pool, Producer: testenv.Producer(t, brokers), OnPublished: func(dlq.Letter) { published++ }}
+	for pass := 0; pass < 5 && published < len(good); pass++ {
+		if _, err := store.DrainOnce(ctx, cfg); err != nil {
+			t.Fatalf("pass %d: %v", pass, err)
+		}
+	}
+	parked, err := store.List(ctx, pool, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if published != len(good) || len(parked) != 1 || !strings.Contains(parked[0].LastError, "headers cannot be read") {
+		t.Fatalf("published %d of %d; parked %+v; want every good letter out and the unreadable one parked with its reason", published, len(good), parked)
 	}
 }
