@@ -58,7 +58,9 @@ type Config struct {
 	// times. Defaults: 2s and 5.
 	LockTimeout time.Duration
 	LockRetries int
-	// Now is the clock. Default time.Now.
+	// Now is the clock, for tests that move time. Default: the database's
+	// clock, the one consumers judge an event's age by; the maintenance
+	// host's own clock may be minutes off it.
 	Now    func() time.Time
 	Logger *slog.Logger
 }
@@ -87,9 +89,6 @@ func (c *Config) setDefaults() {
 	}
 	if c.LockRetries == 0 {
 		c.LockRetries = 5
-	}
-	if c.Now == nil {
-		c.Now = time.Now
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -198,16 +197,24 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 
 	var rep Report
 	n := namesOf(cfg)
-	now := cfg.Now().UTC()
+	var now time.Time
+	if cfg.Now != nil {
+		now = cfg.Now()
+	} else if err := conn.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+		return Report{}, fmt.Errorf("retention: read the database's clock: %w", err)
+	}
+	now = now.UTC()
 	cutoff := now.Add(-cfg.Retention)
 	ddl := ddlRunner{conn: conn.Conn(), timeout: cfg.LockTimeout, retries: cfg.LockRetries, log: cfg.Logger, rep: &rep}
-	if err := dropExpired(ctx, ddl, n, cutoff, &rep); err != nil {
-		return rep, err
-	}
+	// Tomorrow's partition first: a drop that keeps giving way to long
+	// claim transactions must not leave new days in the default partition.
 	if cfg.Mode == Partitioned {
 		if err := createAhead(ctx, ddl, n, now, cfg.DaysAhead, &rep); err != nil {
 			return rep, err
 		}
+	}
+	if err := dropExpired(ctx, ddl, n, cutoff, &rep); err != nil {
+		return rep, err
 	}
 	if err := deleteExpired(ctx, conn.Conn(), n, cutoff, cfg.BatchSize, &rep); err != nil {
 		return rep, err
