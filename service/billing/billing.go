@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/durable"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/service/order"
@@ -94,11 +95,15 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`
 ON CONFLICT (order_id) DO NOTHING`
 	// A charge intent is written and committed on its own before the
 	// provider is called; the first event of an order owns it.
-	claimIntentSQL = `INSERT INTO billing.charge_intents (order_id, event_id, idempotency_key) VALUES ($1, $2, $3)
+	// Durable before the provider is called, whatever the server's
+	// synchronous_commit: a crash must not forget a charge that happened.
+	claimIntentSQL = `INSERT INTO billing.charge_intents (order_id, event_id, idempotency_key)
+SELECT $1, $2, $3 FROM (SELECT ` + durable.RaiseSynchronousCommit + `) AS durable
 ON CONFLICT (order_id) DO NOTHING`
-	intentOfOrderSQL = `SELECT event_id, idempotency_key, created_at FROM billing.charge_intents WHERE order_id = $1`
-	refundOfOrderSQL = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
-	recordRefundSQL  = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency, payment_event_id)
+	intentOfOrderSQL   = `SELECT event_id, idempotency_key, created_at, unsettled_reason FROM billing.charge_intents WHERE order_id = $1`
+	unsettledIntentSQL = `UPDATE billing.charge_intents SET unsettled_reason = $2 WHERE order_id = $1`
+	refundOfOrderSQL   = `SELECT event_id FROM billing.refunds WHERE order_id = $1`
+	recordRefundSQL    = `INSERT INTO billing.refunds (event_id, order_id, provider_charge_id, provider_refund_id, amount, currency, payment_event_id)
 VALUES ($1, $2, $3, $4, $5, $6, $7)`
 	// Intents whose payment is recorded serve no more purpose: the payment
 	// row refuses a later event for the order by itself.
@@ -159,9 +164,15 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 		// had another body (the currency setting changed, or a producer
 		// reused the event id with another amount) and may have charged.
 		// Nothing is known to be failed: no record, no event; a person
-		// reconciles from the dead letter.
-		return idempotency.Permanent(fmt.Errorf("billing: order %d: the provider holds another request under key %s; the charge's outcome is unknown, reconcile: %w",
-			ev.OrderID(), key, err))
+		// reconciles from the dead letter. The intent says so, durably and
+		// before the verdict: the order's cancellation must not wait for a
+		// confirmation that comes back only when a person replays it.
+		reason := fmt.Errorf("billing: order %d: the provider holds another request under key %s; the charge's outcome is unknown, reconcile: %w",
+			ev.OrderID(), key, err)
+		if _, uerr := h.DB.Exec(ctx, unsettledIntentSQL, ev.OrderID(), reason.Error()); uerr != nil {
+			return fmt.Errorf("billing: mark the charge intent of order %d unsettled: %w", ev.OrderID(), uerr)
+		}
+		return idempotency.Permanent(reason)
 	case err != nil && !payment.IsPermanent(err):
 		return fmt.Errorf("billing: charge order %d: %w", ev.OrderID(), err)
 	case err != nil:
@@ -181,13 +192,12 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 		}
 		return idempotency.RejectAfterCommit(fmt.Errorf("billing: provider refused order %d: %w", ev.OrderID(), err))
 	}
-	// occurred_at and the event's id take the provider's time of the charge:
-	// a replayed answer carries the same, so the event has one id and one
-	// byte form however often it is built.
-	at := charge.Created
-	if at.IsZero() {
-		at = intendedAt
-	}
+	// occurred_at and the event's id take the intent's time, on the
+	// database's clock, which every attempt reads the same: the event has
+	// one id and one byte form however often it is built. Not the
+	// provider's time of the charge: a provider clock running ahead would
+	// make analytics refuse the event as from the future.
+	at := intendedAt
 	charged, err := order.NewPaymentCharged(outbox.EventID(ev.EventID(), order.TypePaymentChargedV1, at), at,
 		ev.OrderID(), ev.CustomerID(), ev.TotalAmount(), h.Currency, charge.ID)
 	if err != nil {
@@ -223,7 +233,8 @@ func (h Handler) intend(ctx context.Context, ev order.Confirmed) (string, time.T
 	var owner uuid.UUID
 	var ownerKey string
 	var at time.Time
-	if err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &ownerKey, &at); err != nil {
+	var unsettled *string
+	if err := h.DB.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &ownerKey, &at, &unsettled); err != nil {
 		return "", time.Time{}, fmt.Errorf("billing: read charge intent of order %d: %w", ev.OrderID(), err)
 	}
 	if owner != ev.EventID() {
@@ -294,10 +305,14 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 		var owner uuid.UUID
 		var key string
 		var at time.Time
+		var unsettled *string
 		// Through the claim's transaction: a committed intent is visible to
 		// it, and it asks the pool for no second connection.
-		err := tx.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &key, &at)
+		err := tx.QueryRow(ctx, intentOfOrderSQL, ev.OrderID()).Scan(&owner, &key, &at, &unsettled)
 		switch {
+		case err == nil && unsettled != nil:
+			return idempotency.Permanent(fmt.Errorf("billing: order %d: its confirmation %s was dead-lettered with its charge unsettled (%s); "+
+				"the refund's amount is unknown here; reconcile with the provider", ev.OrderID(), owner, *unsettled))
 		case err == nil && h.Horizon > 0 && uuidTime(owner).Before(h.now().Add(-h.Horizon)):
 			return idempotency.Permanent(fmt.Errorf("billing: order %d was charged or not under key %s by event %s, which is past the dedup horizon and will never be recorded: "+
 				"the refund's amount is unknown here; reconcile with the provider", ev.OrderID(), key, owner))
@@ -332,10 +347,10 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 		}
 		return fmt.Errorf("billing: refund order %d: %w", ev.OrderID(), err)
 	}
-	at := refund.Created
-	if at.IsZero() {
-		at = ev.OccurredAt()
-	}
+	// The cancellation's id time: stable across attempts, and already
+	// judged against the database's clock when the cancellation was
+	// claimed, unlike the provider's clock.
+	at := uuidTime(ev.EventID())
 	refunded, err := order.NewPaymentRefunded(outbox.EventID(ev.EventID(), order.TypePaymentRefundedV1, at), at,
 		ev.OrderID(), p.customerID, p.amount, p.currency, refund.ID)
 	if err != nil {

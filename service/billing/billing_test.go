@@ -2,8 +2,10 @@ package billing_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -28,6 +30,7 @@ import (
 // commits or rolls back as in production.
 type fixture struct {
 	pool      *pgxpool.Pool
+	provider  *payment.Provider
 	client    *payment.Client
 	handler   billing.Handler
 	confirmed *oncetest.Harness[order.Confirmed]
@@ -60,7 +63,7 @@ func setup(t *testing.T) *fixture {
 	}
 	h := billing.Handler{Payments: c, Currency: "EUR", DB: pool, Outbox: box, Topic: paymentTopic}
 	group := "billing-" + uuid.NewString()[:8]
-	return &fixture{pool: pool, client: c, handler: h,
+	return &fixture{pool: pool, provider: p, client: c, handler: h,
 		confirmed: oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: h.OnConfirmed}),
 		cancelled: oncetest.New(t, oncetest.Config[order.Cancelled]{DB: pool, Group: group, Handle: h.OnCancelled}),
 	}
@@ -149,6 +152,65 @@ func TestChargesOnceRecordsAndAnnouncesThePayment(t *testing.T) {
 	}
 	if derived.Version() != 7 {
 		t.Fatalf("payment event id %s is not a UUIDv7", derived)
+	}
+}
+
+// A provider whose clock runs an hour ahead must not date billing's payment
+// events: consumers judge an event's id time against their database's clock,
+// and would refuse one from the future. The events take the database's time.
+func TestPaymentEventsAreNotDatedByTheProvidersClock(t *testing.T) {
+	f := setup(t)
+	ahead := 0
+	skewed := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec := httptest.NewRecorder()
+		f.provider.ServeHTTP(rec, r)
+		body := rec.Body.Bytes()
+		var answer map[string]any
+		if json.Unmarshal(body, &answer) == nil {
+			if created, ok := answer["created_at"].(string); ok {
+				at, _ := time.Parse(time.RFC3339Nano, created)
+				answer["created_at"] = at.Add(time.Hour).Format(time.RFC3339Nano)
+				body, _ = json.Marshal(answer)
+				ahead++
+			}
+		}
+		for k, v := range rec.Header() {
+			w.Header()[k] = v
+		}
+		w.Header().Del("Content-Length")
+		w.WriteHeader(rec.Code)
+		_, _ = w.Write(body)
+	}))
+	defer skewed.Close()
+	c, err := payment.NewClient(payment.ClientConfig{BaseURL: skewed.URL, APIKey: "acct_" + uuid.NewString()[:8], InitialBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := f.handler
+	h.Payments = c
+	group := "billing-" + uuid.NewString()[:8]
+	confirmedH := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: f.pool, Group: group, Handle: h.OnConfirmed})
+	cancelledH := oncetest.New(t, oncetest.Config[order.Cancelled]{DB: f.pool, Group: group, Handle: h.OnCancelled})
+	ev := confirmed(t, newOrderID(), "12.00")
+	if d := confirmedH.Deliver(ev); d.Err != nil {
+		t.Fatal(d.Err)
+	}
+	if d := cancelledH.Deliver(cancelled(t, ev.OrderID())); d.Err != nil {
+		t.Fatal(d.Err)
+	}
+	if ahead < 2 {
+		t.Fatalf("the provider's answers were moved ahead %d times; want the charge and the refund: the fault did not happen", ahead)
+	}
+	var dbNow time.Time
+	if err := f.pool.QueryRow(context.Background(), `SELECT now()`).Scan(&dbNow); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{`SELECT payment_event_id FROM billing.payments WHERE order_id = $1`, `SELECT payment_event_id FROM billing.refunds WHERE order_id = $1`} {
+		id := f.paymentEventOf(t, q, ev.OrderID())
+		sec, nsec := id.Time().UnixTime()
+		if at := time.Unix(sec, nsec); at.After(dbNow.Add(time.Minute)) {
+			t.Errorf("payment event %s is dated %s, the provider's clock; the database's is %s", id, at.UTC(), dbNow.UTC())
+		}
 	}
 }
 
@@ -365,6 +427,12 @@ func TestKeyReusedIsNotRecordedAsFailed(t *testing.T) {
 	_ = f.pool.QueryRow(context.Background(), `SELECT count(*) FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&n)
 	if n != 0 || f.ledger(t).Count != 1 {
 		t.Fatalf("%d payment rows, %d charges; want none recorded and the one charge untouched", n, f.ledger(t).Count)
+	}
+	// The confirmation is in the dead-letter topic now and comes back only
+	// when a person replays it: the order's cancellation must go to a person
+	// too, at once, not wait a dedup horizon for it.
+	if d := f.cancelled.Deliver(cancelled(t, ev.OrderID())); !d.DeadLettered() || !strings.Contains(d.Err.Error(), "unsettled") {
+		t.Fatalf("the cancellation of an order whose charge is unsettled: %v; want it dead-lettered for reconciliation", d.Err)
 	}
 }
 

@@ -145,12 +145,13 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 	amountOf := map[string]decimal.Decimal{}
 	ids := make([]uuid.UUID, 0, len(r.events))
 	orderIDs := make([]int64, 0, len(r.events))
+	var pricedAbove []string
 	for _, ev := range r.events {
 		ids = append(ids, ev.EventID())
 		orderIDs = append(orderIDs, ev.OrderID())
 		s.OrderedTotal = s.OrderedTotal.Add(ev.TotalAmount())
 		if ev.TotalAmount().GreaterThan(declineAbove) {
-			s.Declined++
+			pricedAbove = append(pricedAbove, strconv.FormatInt(ev.OrderID(), 10))
 			continue
 		}
 		amountOf[strconv.FormatInt(ev.OrderID(), 10)] = ev.TotalAmount()
@@ -182,6 +183,13 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 		notCharged[strconv.FormatInt(id, 10)] = true
 	}
 	rows.Close()
+	// An order cancelled before its charge never reaches the provider,
+	// whatever its price: it is declined only when it was tried.
+	for _, o := range pricedAbove {
+		if !notCharged[o] {
+			s.Declined++
+		}
+	}
 	cancelledOrders := map[string]bool{}
 	for _, c := range r.cancels {
 		cancelledOrders[strconv.FormatInt(c.OrderID(), 10)] = true
@@ -231,11 +239,12 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 			s.DoubleRefunded++
 		}
 	}
-	chargeable := len(amountOf) - len(notCharged)
+	chargeable := 0
 	for o := range amountOf {
 		if notCharged[o] {
 			continue
 		}
+		chargeable++
 		s.ChargeableTotal = s.ChargeableTotal.Add(amountOf[o])
 	}
 
@@ -328,7 +337,7 @@ func (s Summary) Print(w io.Writer) {
 	fmt.Fprintf(w, "demo run %s on topic %s, %s\n\n", s.Run, s.Topic, s.Elapsed.Round(100*time.Millisecond))
 	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(t, "orders confirmed\t%d\t\n", s.Orders)
-	fmt.Fprintf(t, "  priced above the decline limit\t%d\t\n", s.Declined)
+	fmt.Fprintf(t, "  declined by the provider (priced above its limit)\t%d\t\n", s.Declined)
 	fmt.Fprintf(t, "orders cancelled\t%d\t\n", s.Cancelled)
 	fmt.Fprintf(t, "  before their charge (never charged)\t%d\t\n", s.CancelledBeforePaid)
 	fmt.Fprintf(t, "  after their charge (refunded)\t%d\t\n", s.Refunds)
