@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -260,10 +261,24 @@ func TestBrokerCrash(t *testing.T) {
 // 13. PostgreSQL killed with kill -9 (postmaster and backends, no shutdown)
 // mid-stream, then started: crash recovery keeps every commit that returned,
 // so nothing acknowledged is lost, nothing is doubled, and the consumers
-// ride it out.
+// ride it out. The server runs with synchronous_commit=off, as a team that
+// tuned it for speed would: a commit then returns before its WAL is written,
+// and only the consumers' own raise of the setting keeps what they
+// acknowledged.
 func TestDatabaseCrash(t *testing.T) {
 	s := newScenario(t, "13 postgres kill -9", 6)
 	s.requireDevService("postgres")
+	s.sql("ALTER SYSTEM SET synchronous_commit = off", "SELECT pg_reload_conf()")
+	t.Cleanup(func() { s.sql("ALTER SYSTEM RESET synchronous_commit", "SELECT pg_reload_conf()") })
+	var lax string
+	for deadline := time.Now().Add(10 * time.Second); lax != "off" && time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		_ = s.pool.QueryRow(context.Background(), "SELECT current_setting('synchronous_commit')").Scan(&lax)
+	}
+	if lax != "off" {
+		t.Fatalf("the server's synchronous_commit is %q: the fault is not staged", lax)
+	}
+	// The simulator stands in for a provider's own, durable, systems.
+	s.providerEnv = []string{"DATABASE_URL=" + withParam(os.Getenv("DATABASE_URL"), "synchronous_commit", "on")}
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
 	done := s.publishInBackground(scale(600), window(8*time.Second))
@@ -505,4 +520,17 @@ func (s *scenario) placeOrder(orders *proc, amount decimal.Decimal) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// withParam adds a query parameter to a database URL; pgx sends unknown ones
+// to the server as run-time settings.
+func withParam(databaseURL, key, value string) string {
+	u, err := url.Parse(databaseURL)
+	if err != nil {
+		return databaseURL
+	}
+	q := u.Query()
+	q.Set(key, value)
+	u.RawQuery = q.Encode()
+	return u.String()
 }

@@ -54,6 +54,7 @@ type scenario struct {
 	dir      string
 
 	providerURL string
+	providerEnv []string // the simulator's own environment, on top of env
 	provider    *proc
 	ordersURL   string
 
@@ -249,7 +250,7 @@ func (s *scenario) startProvider(flags ...string) {
 	}
 	args := append([]string{"payment-provider", "--no-migrate", "--listen", strings.TrimPrefix(s.providerURL, "http://"),
 		"--in-flight-timeout", "3s", "--log-level", "warn"}, flags...)
-	s.provider = s.start("provider", args...)
+	s.provider = s.startEnv("provider", s.providerEnv, args...)
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
 		resp, err := http.Get(s.providerURL + "/healthz")

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -75,7 +76,12 @@ func printResults() {
 	if len(results) == 0 {
 		return
 	}
-	sort.SliceStable(results, func(i, j int) bool { return results[i].Scenario < results[j].Scenario })
+	// Scenarios are named "N what": order by N, so 10 follows 9.
+	number := func(name string) int {
+		n, _ := strconv.Atoi(strings.Fields(name + " x")[0])
+		return n
+	}
+	sort.SliceStable(results, func(i, j int) bool { return number(results[i].Scenario) < number(results[j].Scenario) })
 	var b strings.Builder
 	w := tabwriter.NewWriter(&b, 0, 0, 1, ' ', tabwriter.Debug)
 	fmt.Fprintln(w, "scenario\tevents\tdeliveries\tduplicates skipped\tkills\trestarts\trebalances\tcharges\trefunds\tdouble charges\tdouble refunds\tlost\tresult\t")
