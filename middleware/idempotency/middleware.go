@@ -286,6 +286,8 @@ type Middleware struct {
 	idleLimit  *string // milliseconds, for set_config; nil keeps the server's
 	claimTable string  // the retention policy's key
 	storedSQL  string
+	// The same for a batch (ProcessBatch).
+	claimBatchSQL, storedHashesSQL string
 }
 
 // New validates cfg and returns the middleware.
@@ -302,6 +304,7 @@ func New(cfg Config) (*Middleware, error) {
 	}
 	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
 	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table, policy), storedSQL: fmt.Sprintf(storedHashSQL, table),
+		claimBatchSQL: fmt.Sprintf(claimBatchSQL, table, policy), storedHashesSQL: fmt.Sprintf(storedHashesSQL, table),
 		idleLimit: idleLimit, claimTable: cfg.Schema + "." + cfg.Table}, nil
 }
 

@@ -1,0 +1,247 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/internal/durable"
+)
+
+// claimBatchSQL is claimSQL for many events at once: one statement, one
+// transaction, one commit (a group commit). Keys are inserted in sorted
+// order, so two batches that share keys (two instances during a rebalance)
+// take their row locks in the same order and cannot deadlock.
+//
+// %s: the claim table, then the retention policy table (see claimSQL).
+const claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
+SELECT u.k, $2, u.h FROM (SELECT ` + durable.RaiseSynchronousCommit + `,
+  set_config('idle_in_transaction_session_timeout', coalesce($4::text, current_setting('idle_in_transaction_session_timeout')), true)) AS bounded,
+  unnest($1::uuid[], $3::bytea[]) AS u(k, h)
+ORDER BY u.k
+ON CONFLICT (event_id, consumer_group) DO NOTHING
+RETURNING event_id, processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
+
+// storedHashesSQL reads the claims a batch did not insert, in a statement of
+// its own for a fresh snapshot (see storedHashSQL).
+const storedHashesSQL = `SELECT event_id, payload_sha256 FROM %s
+WHERE consumer_group = $2 AND event_id = ANY($1)`
+
+// ErrRunAlone is the result of a message whose batch could not decide it:
+// the batch failed and rolled back (the handler's error, the database, an
+// event outside the horizon), or the same event came twice in one batch.
+// Run the message on its own through [Middleware.Middleware], which decides
+// it as it decides every message: held, dead-lettered, or processed.
+var ErrRunAlone = errors.New("idempotency: not decided in its batch; run the message on its own")
+
+// BatchHandler handles the messages of a batch claimed for the first time,
+// in batch order, inside the batch's transaction (also in ctx, see
+// [TxFromContext]). It must not commit or roll back tx. Any error rolls the
+// whole batch back.
+type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error
+
+// ProcessBatch claims msgs in one transaction, runs h once for those claimed
+// for the first time, and commits: a group commit, which costs the database
+// one commit for the batch instead of one per message. It returns one error
+// per message, in msgs' order:
+//
+//   - nil: the message is done (processed in the committed batch, or a
+//     duplicate);
+//   - a permanent error: an invalid key, or [ErrPayloadMismatch];
+//   - [ErrRunAlone]: run the message through [Middleware.Middleware].
+//
+// A failing batch never decides a message it could not prove: one bad event
+// costs its batch a rollback, and each of the batch's events is then run on
+// its own. OnResult is reported for every message decided here.
+func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, h BatchHandler) []error {
+	start := time.Now()
+	errs := make([]error, len(msgs))
+	report := func(i int, key uuid.UUID, o Outcome, err error) {
+		errs[i] = err
+		if m.cfg.OnResult != nil {
+			m.cfg.OnResult(Result{Outcome: o, EventID: key, ConsumerGroup: m.cfg.ConsumerGroup,
+				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), Duration: time.Since(start), Err: err})
+		}
+	}
+
+	keys := make([]uuid.UUID, len(msgs))
+	sums := make([][]byte, len(msgs))
+	first := map[uuid.UUID]int{} // a key's first message in the batch
+	var batchKeys []uuid.UUID
+	var batchSums [][]byte
+	for i, msg := range msgs {
+		key, err := m.cfg.Key(msg)
+		if err == nil && (key.Version() != 7 || key.Variant() != uuid.RFC4122) {
+			err = fmt.Errorf("%w: event_id %s is UUID version %d, want 7", ErrInvalidKey, key, key.Version())
+		}
+		if err != nil {
+			report(i, uuid.Nil, Failed, Permanent(err))
+			continue
+		}
+		sum := sha256.Sum256(msg.Payload)
+		keys[i], sums[i] = key, sum[:]
+		if _, seen := first[key]; seen {
+			// The same event twice in one batch: its first copy decides
+			// it, and this one finds that claim when run on its own.
+			errs[i] = ErrRunAlone
+			continue
+		}
+		first[key] = i
+		batchKeys = append(batchKeys, key)
+		batchSums = append(batchSums, sum[:])
+	}
+	if len(batchKeys) == 0 {
+		return errs
+	}
+	runAlone := func() []error {
+		for _, i := range first {
+			if errs[i] == nil {
+				errs[i] = ErrRunAlone
+			}
+		}
+		return errs
+	}
+
+	stmtCtx, cancel := context.WithTimeout(ctx, m.cfg.StatementTimeout)
+	defer cancel()
+	tx, err := m.cfg.DB.BeginTx(stmtCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
+	if err != nil {
+		m.cfg.Logger.Warn("batch: begin failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
+		return runAlone()
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			m.rollback(ctx, tx)
+		}
+	}()
+
+	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, batchKeys, m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable)
+	if err != nil {
+		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
+		return runAlone()
+	}
+	claimedAt := map[uuid.UUID]time.Time{}
+	var retentionSeconds *int64
+	for rows.Next() {
+		var key uuid.UUID
+		var at time.Time
+		if err := rows.Scan(&key, &at, &retentionSeconds); err != nil {
+			rows.Close()
+			return runAlone()
+		}
+		claimedAt[key] = at
+	}
+	if rows.Err() != nil {
+		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", rows.Err())
+		return runAlone()
+	}
+
+	// Claimed before: a duplicate whatever its age, or another payload.
+	var unclaimed []uuid.UUID
+	for _, key := range batchKeys {
+		if _, ok := claimedAt[key]; !ok {
+			unclaimed = append(unclaimed, key)
+		}
+	}
+	if len(unclaimed) > 0 {
+		stored := map[uuid.UUID][]byte{}
+		rows, err := tx.Query(stmtCtx, m.storedHashesSQL, unclaimed, m.cfg.ConsumerGroup)
+		if err != nil {
+			return runAlone()
+		}
+		for rows.Next() {
+			var key uuid.UUID
+			var sum []byte
+			if err := rows.Scan(&key, &sum); err != nil {
+				rows.Close()
+				return runAlone()
+			}
+			stored[key] = sum
+		}
+		if rows.Err() != nil {
+			return runAlone()
+		}
+		for _, key := range unclaimed {
+			i := first[key]
+			switch sum, ok := stored[key]; {
+			case !ok:
+				// Not inserted and not there: a claim deleted in between
+				// (retention). The message's own run decides it.
+				errs[i] = ErrRunAlone
+			case !bytes.Equal(sum, sums[i]):
+				err := Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
+				m.log(msgs[i], slog.LevelError, "event id reused with a different payload", key, "err", err)
+				report(i, key, PayloadMismatch, err)
+			default:
+				report(i, key, Duplicate, nil)
+			}
+		}
+	}
+
+	// First claims: the horizon, as for a message on its own. An event
+	// outside it fails the batch; on its own it is dead-lettered, and the
+	// others are processed.
+	maxAge := m.cfg.MaxEventAge
+	if retentionSeconds != nil && maxAge > 0 {
+		maxAge = min(maxAge, time.Duration(*retentionSeconds)*time.Second-m.cfg.MaxClockSkew)
+	}
+	var claimed []*message.Message
+	var claimedIdx []int
+	for i, msg := range msgs {
+		if errs[i] != nil || first[keys[i]] != i {
+			continue
+		}
+		at, ok := claimedAt[keys[i]]
+		if !ok {
+			continue
+		}
+		if m.cfg.Now != nil {
+			at = m.cfg.Now()
+		}
+		if m.checkHorizon(keys[i], at, maxAge) != nil {
+			return runAlone()
+		}
+		claimed = append(claimed, msg)
+		claimedIdx = append(claimedIdx, i)
+	}
+
+	if len(claimed) > 0 {
+		if err := h(ContextWithTx(ctx, tx), tx, claimed); err != nil {
+			m.cfg.Logger.Info("batch: the handler failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup,
+				"messages", len(msgs), "claimed", len(claimed), "err", err)
+			return m.undecide(errs, claimedIdx)
+		}
+	}
+	finishCtx, finish := m.finishContext(ctx)
+	defer finish()
+	committed = true
+	if err := tx.Commit(finishCtx); err != nil {
+		// Whether it took effect is unknown; each message's own run finds
+		// its claim or makes it.
+		m.cfg.Logger.Warn("batch: commit failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
+		return m.undecide(errs, claimedIdx)
+	}
+	for _, i := range claimedIdx {
+		report(i, keys[i], Processed, nil)
+	}
+	return errs
+}
+
+// undecide sends a rolled-back batch's first claims to run on their own;
+// what the batch proved from committed claims (duplicates, mismatches)
+// stands.
+func (m *Middleware) undecide(errs []error, claimedIdx []int) []error {
+	for _, i := range claimedIdx {
+		errs[i] = ErrRunAlone
+	}
+	return errs
+}

@@ -1,0 +1,261 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/middleware/idempotency"
+)
+
+// recordBatch writes one effect row per claimed message, through the batch's
+// transaction, and counts the messages it saw.
+func recordBatch(group string, runs *atomic.Int64) idempotency.BatchHandler {
+	return func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
+		for _, msg := range claimed {
+			runs.Add(1)
+			id, _ := idempotency.PayloadEventID(msg)
+			if _, err := tx.Exec(ctx, `INSERT INTO idempotency_test_effect (event_id, consumer_group) VALUES ($1, $2)`, id, group); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+func newEvents(t *testing.T, n int) ([]uuid.UUID, []*message.Message) {
+	t.Helper()
+	ids := make([]uuid.UUID, n)
+	msgs := make([]*message.Message, n)
+	for i := range n {
+		ids[i], msgs[i] = newEvent(t)
+	}
+	return ids, msgs
+}
+
+func copies(msgs []*message.Message) []*message.Message {
+	out := make([]*message.Message, len(msgs))
+	for i, m := range msgs {
+		out[i] = m.Copy()
+		out[i].SetContext(context.Background())
+	}
+	return out
+}
+
+// A batch claims and handles its new events in one transaction; delivered
+// again, every one is a duplicate and the handler sees none.
+func TestBatchProcessesEachEventOnce(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	var results []idempotency.Result
+	var mu sync.Mutex
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OnResult: func(r idempotency.Result) {
+		mu.Lock()
+		results = append(results, r)
+		mu.Unlock()
+	}})
+	ids, msgs := newEvents(t, 20)
+	var runs atomic.Int64
+	for i, err := range m.ProcessBatch(context.Background(), msgs, recordBatch(group, &runs)) {
+		if err != nil {
+			t.Fatalf("message %d: %v", i, err)
+		}
+	}
+	for i, err := range m.ProcessBatch(context.Background(), copies(msgs), recordBatch(group, &runs)) {
+		if err != nil {
+			t.Fatalf("again, message %d: %v", i, err)
+		}
+	}
+	if runs.Load() != 20 {
+		t.Fatalf("the handler saw %d events, want 20", runs.Load())
+	}
+	for _, id := range ids {
+		if effects(t, pool, id, group) != 1 || claims(t, pool, id, group) != 1 {
+			t.Fatalf("event %s: %d effects, %d claims; want 1 each", id, effects(t, pool, id, group), claims(t, pool, id, group))
+		}
+	}
+	var processed, duplicates int
+	for _, r := range results {
+		switch r.Outcome {
+		case idempotency.Processed:
+			processed++
+		case idempotency.Duplicate:
+			duplicates++
+		}
+	}
+	if processed != 20 || duplicates != 20 {
+		t.Fatalf("reported %d processed, %d duplicates; want 20 each", processed, duplicates)
+	}
+}
+
+// What a batch can prove stands: a reused id with other bytes is permanent
+// for that message alone, an invalid key too. The same event twice in one
+// batch is decided once; its second copy runs on its own.
+func TestBatchDecidesEachMessageOnItsOwnMerits(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	var runs atomic.Int64
+	reusedID, reused := newEvent(t)
+	if errs := m.ProcessBatch(context.Background(), []*message.Message{reused}, recordBatch(group, &runs)); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	freshID, fresh := newEvent(t)
+	batch := []*message.Message{
+		newMessage(reusedID, `"amount":"99.00"`),  // other bytes under a claimed id
+		newMessage(uuid.New(), `"amount":"1.00"`), // not a UUIDv7
+		fresh,
+		fresh.Copy(), // the same event twice in the batch
+	}
+	batch[3].SetContext(context.Background())
+	errs := m.ProcessBatch(context.Background(), batch, recordBatch(group, &runs))
+	if !errors.Is(errs[0], idempotency.ErrPayloadMismatch) || !idempotency.IsPermanent(errs[0]) {
+		t.Errorf("reused id: %v; want a permanent ErrPayloadMismatch", errs[0])
+	}
+	if !errors.Is(errs[1], idempotency.ErrInvalidKey) || !idempotency.IsPermanent(errs[1]) {
+		t.Errorf("UUIDv4: %v; want a permanent ErrInvalidKey", errs[1])
+	}
+	if errs[2] != nil || !errors.Is(errs[3], idempotency.ErrRunAlone) {
+		t.Errorf("the same event twice: %v, %v; want the first processed, the second run on its own", errs[2], errs[3])
+	}
+	if effects(t, pool, freshID, group) != 1 || runs.Load() != 2 {
+		t.Fatalf("%d effects of the fresh event, handler saw %d events; want 1 and 2", effects(t, pool, freshID, group), runs.Load())
+	}
+}
+
+// A failing handler rolls the whole batch back: nothing of it is claimed or
+// written, and every event it claimed is left to run on its own.
+func TestAFailingBatchLeavesNothingAndEveryEventRunsAlone(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	ids, msgs := newEvents(t, 5)
+	var runs atomic.Int64
+	errs := m.ProcessBatch(context.Background(), msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
+		if err := recordBatch(group, &runs)(ctx, tx, claimed[:3]); err != nil {
+			return err
+		}
+		return errors.New("the fourth event is bad")
+	})
+	if runs.Load() != 3 {
+		t.Fatalf("the handler wrote %d events before failing, want 3: the failure is not staged", runs.Load())
+	}
+	for i, err := range errs {
+		if !errors.Is(err, idempotency.ErrRunAlone) {
+			t.Errorf("message %d: %v; want ErrRunAlone", i, err)
+		}
+		if claims(t, pool, ids[i], group) != 0 || effects(t, pool, ids[i], group) != 0 {
+			t.Errorf("event %d left a claim or an effect behind", i)
+		}
+	}
+	// On its own, each runs as usual.
+	one := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	for i, msg := range msgs {
+		if _, err := one.Middleware(recordEffect(group, &runs))(msg.Copy()); err != nil {
+			t.Fatalf("event %d on its own: %v", i, err)
+		}
+		if effects(t, pool, ids[i], group) != 1 {
+			t.Fatalf("event %d: no effect after running on its own", i)
+		}
+	}
+}
+
+// An event outside the dedup horizon fails its batch, so that on its own
+// it is refused with the reason while the others are processed.
+func TestAnEventOutsideTheHorizonSendsItsBatchAlone(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: time.Hour})
+	ids, msgs := newEvents(t, 3)
+	old := uuid.Must(uuid.NewV7())
+	ms := time.Now().Add(-2 * time.Hour).UnixMilli()
+	for i := range 6 {
+		old[i] = byte(ms >> (40 - 8*i))
+	}
+	msgs = append(msgs, newMessage(old, `"amount":"1.00"`))
+	var runs atomic.Int64
+	errs := m.ProcessBatch(context.Background(), msgs, recordBatch(group, &runs))
+	for i, err := range errs {
+		if !errors.Is(err, idempotency.ErrRunAlone) {
+			t.Fatalf("message %d: %v; want the batch sent to run alone", i, err)
+		}
+	}
+	if runs.Load() != 0 || claims(t, pool, ids[0], group) != 0 {
+		t.Fatal("the batch handled or claimed something although it held an event outside the horizon")
+	}
+	if _, err := m.Middleware(recordEffect(group, &runs))(msgs[3]); !errors.Is(err, idempotency.ErrTooOld) {
+		t.Fatalf("the old event on its own: %v; want ErrTooOld", err)
+	}
+}
+
+// The batch's commit is durable whatever the server's synchronous_commit,
+// as a single claim's is.
+func TestBatchTransactionIsDurableWhateverTheDefault(t *testing.T) {
+	direct := setup(t)
+	cfg := direct.Config().Copy()
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
+	lax, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lax.Close()
+	m := newMiddleware(t, idempotency.Config{DB: lax, ConsumerGroup: uniqueGroup(t, "g")})
+	_, msgs := newEvents(t, 3)
+	var got string
+	errs := m.ProcessBatch(context.Background(), msgs, func(ctx context.Context, tx pgx.Tx, _ []*message.Message) error {
+		return tx.QueryRow(ctx, `SHOW synchronous_commit`).Scan(&got)
+	})
+	if errs[0] != nil || got != "local" {
+		t.Fatalf("the batch ran with synchronous_commit %q (%v); want off raised to local", got, errs[0])
+	}
+}
+
+// Two instances handling overlapping batches at once (a rebalance hands a
+// partition over mid-batch) neither deadlock nor double an effect: keys are
+// claimed in one order, and the loser of each key finds it claimed.
+func TestOverlappingBatchesAtOnceProcessEachEventOnce(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	ids, msgs := newEvents(t, 60)
+	var runs atomic.Int64
+	var wg sync.WaitGroup
+	failures := make(chan error, 8)
+	for w := range 8 {
+		batch := copies(msgs)
+		if w%2 == 1 {
+			slices.Reverse(batch)
+		}
+		m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+		wg.Go(func() {
+			for i, err := range m.ProcessBatch(context.Background(), batch, recordBatch(group, &runs)) {
+				if err != nil {
+					failures <- fmt.Errorf("worker %d, message %d: %w", w, i, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(failures)
+	for err := range failures {
+		t.Error(err)
+	}
+	for _, id := range ids {
+		if effects(t, pool, id, group) != 1 {
+			t.Fatalf("event %s has %d effects, want 1", id, effects(t, pool, id, group))
+		}
+	}
+	if runs.Load() != 60 {
+		t.Fatalf("the handlers saw %d events, want 60", runs.Load())
+	}
+}
