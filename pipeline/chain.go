@@ -130,7 +130,7 @@ func refuseMessagesInTx(h message.HandlerFunc) message.HandlerFunc {
 // for a handler's rejection, in a transaction of its own otherwise. The
 // group's drainer publishes it to the topic's dead-letter topic. While the
 // letter cannot be written, the message is held like any other.
-func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, owners *sessions) message.HandlerMiddleware {
+func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
@@ -140,7 +140,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding, owners *sessions) 
 			var rejected *idempotency.RejectedError
 			if !errors.As(err, &rejected) || !rejected.DeadLettered {
 				letter := p.letter(t, g, msg, err)
-				revoked := owners.revoked(msg)
+				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
 				for attempt := 1; ; attempt++ {
 					perr := p.park(msg, g.db, letter, revoked)
@@ -205,14 +205,14 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 // context that ends when the partition is revoked, so a call stuck on a
 // database that went silent cannot hold a rebalance up; the wait between
 // attempts ends on revocation (ErrRevoked) and on shutdown (errShutdown).
-func (p *Pipeline) hold(topic, group string, owners *sessions) message.HandlerMiddleware {
+func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
-			revoked := owners.revoked(msg)
+			revoked := revokedOf(msg)
 			wait := p.cfg.HoldBackoff
 			var heldSince time.Time
 			for attempt := 1; ; attempt++ {
-				out, err := p.attempt(msg, h, revoked)
+				out, err := p.attempt(msg, h, revoked, attempt)
 				if err == nil || idempotency.IsPermanent(err) {
 					if attempt > 1 {
 						p.cfg.Logger.Info("held message passed", "topic", topic, "consumer_group", group, "attempts", attempt,
@@ -282,9 +282,9 @@ var errMessageContextDone = errors.New("pipeline: the message context ended (a m
 
 // attempt runs the rest of the chain once, on a context that ends after
 // AttemptTimeout or when the partition is revoked.
-func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, revoked <-chan struct{}) ([]*message.Message, error) {
+func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, revoked <-chan struct{}, attempt int) ([]*message.Message, error) {
 	parent := msg.Context()
-	ctx, cancel := context.WithTimeout(parent, p.cfg.AttemptTimeout)
+	ctx, cancel := context.WithTimeout(context.WithValue(parent, attemptCtxKey{}, attempt), p.cfg.AttemptTimeout)
 	defer cancel()
 	if revoked != nil {
 		go func() {

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -159,66 +158,4 @@ func (unmarshaler) Unmarshal(km *sarama.ConsumerMessage) (*message.Message, erro
 	msg := message.NewMessage(fmt.Sprintf("%s/%d/%d", km.Topic, km.Partition, km.Offset), km.Value)
 	msg.Metadata = md
 	return msg, nil
-}
-
-// sessions records, for each partition this process currently consumes, the
-// context of the consumer-group session that owns it. A message being handled
-// belongs to the registered session: sarama starts no new session on this
-// member before every ConsumeClaim of the old one has returned.
-type sessions struct {
-	mu     sync.Mutex
-	owners map[topicPartition]context.Context
-}
-
-type topicPartition struct {
-	topic     string
-	partition int32
-}
-
-func newSessions() *sessions { return &sessions{owners: map[topicPartition]context.Context{}} }
-
-// revoked implements idempotency.Config.PartitionRevoked.
-func (s *sessions) revoked(msg *message.Message) <-chan struct{} {
-	partition, ok := kafka.MessagePartitionFromCtx(msg.Context())
-	if !ok {
-		return nil
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if ctx := s.owners[topicPartition{message.SubscribeTopicFromCtx(msg.Context()), partition}]; ctx != nil {
-		return ctx.Done()
-	}
-	return nil
-}
-
-func (s *sessions) WrapConsumerGroupHandler(h sarama.ConsumerGroupHandler) sarama.ConsumerGroupHandler {
-	return trackingHandler{ConsumerGroupHandler: h, sessions: s}
-}
-func (s *sessions) WrapConsumer(c sarama.Consumer) sarama.Consumer { return c }
-func (s *sessions) WrapPartitionConsumer(pc sarama.PartitionConsumer) sarama.PartitionConsumer {
-	return pc
-}
-func (s *sessions) WrapSyncProducer(_ *sarama.Config, p sarama.SyncProducer) sarama.SyncProducer {
-	return p
-}
-
-type trackingHandler struct {
-	sarama.ConsumerGroupHandler
-	sessions *sessions
-}
-
-func (t trackingHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
-	key := topicPartition{claim.Topic(), claim.Partition()}
-	owner := sess.Context()
-	t.sessions.mu.Lock()
-	t.sessions.owners[key] = owner
-	t.sessions.mu.Unlock()
-	defer func() {
-		t.sessions.mu.Lock()
-		if t.sessions.owners[key] == owner {
-			delete(t.sessions.owners, key)
-		}
-		t.sessions.mu.Unlock()
-	}()
-	return t.ConsumerGroupHandler.ConsumeClaim(sess, claim)
 }

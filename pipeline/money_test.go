@@ -88,15 +88,23 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 // 1,000 events, each published twice, through billing and analytics: one
 // charge per event summing to the orders' total, analytics revenue equal to
 // the same total, and one claim per event and group.
-func TestThousandEventsPublishedTwiceThroughBothGroups(t *testing.T) {
+// Batched, analytics sums each batch's orders per customer and day in one
+// statement (analytics.Handler.OnConfirmedBatch).
+func TestThousandEventsPublishedTwiceThroughBothGroups(t *testing.T) { eachMode(t, testThousandEvents) }
+
+func testThousandEvents(t *testing.T, m handlerMode) {
 	const events = 1000
 	e := newEnv(t, 6)
 	client, _ := providerFor(t, e, payment.Faults{}, payment.ClientConfig{})
 	billingGroup, analyticsGroup := uniqueGroup("billing"), uniqueGroup("analytics")
 	var seen outcomes
+	analyticsOf := pipeline.Group[order.Confirmed]{Name: analyticsGroup, Handle: analytics.Handler{}.OnConfirmed}
+	if m.batched {
+		analyticsOf = pipeline.Group[order.Confirmed]{Name: analyticsGroup, HandleBatch: analytics.Handler{}.OnConfirmedBatch}
+	}
 	cfg := e.config(
 		pipeline.Group[order.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed},
-		pipeline.Group[order.Confirmed]{Name: analyticsGroup, Handle: analytics.Handler{}.OnConfirmed},
+		analyticsOf,
 	)
 	cfg.OnResult = seen.record
 

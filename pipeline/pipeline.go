@@ -11,7 +11,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
@@ -235,6 +234,7 @@ type Pipeline struct {
 	stopOnce  sync.Once
 	producer  sarama.SyncProducer // dead letters and outbox events
 	kafkaPub  outbox.KafkaPublisher
+	batchers  []*batcher // the group commits of batched groups
 	letters   *dlq.Store
 	outbox    *outbox.Outbox
 	dbs       []DB // distinct databases of the groups, in order of appearance
@@ -341,6 +341,9 @@ func (p *Pipeline) Run(ctx context.Context) error {
 		})
 		wg.Go(func() { p.forward(runCtx, db) })
 	}
+	for _, b := range p.batchers {
+		wg.Go(func() { b.run(runCtx) })
+	}
 
 	if !p.ownRouter && p.router.IsRunning() {
 		if err := p.router.RunHandlers(runCtx); err != nil {
@@ -396,17 +399,11 @@ func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
 // then always runs outside it and never inside the claim's transaction.
 func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (message.Subscriber, message.NoPublishHandlerFunc, error) {
 	cfg := p.cfg
-	owners := newSessions()
-	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
-		Brokers:               cfg.Brokers,
-		Unmarshaler:           unmarshaler{},
-		OverwriteSaramaConfig: subscriberSaramaConfig(cfg, p.version, g.name),
-		ConsumerGroup:         g.name,
-		Tracer:                owners,
-	}, wlog)
-	if err != nil {
-		return nil, nil, fmt.Errorf("pipeline: subscriber for topic %s, group %s: %w", t.name, g.name, err)
+	window := 1 // one message of a partition at a time keeps its events in order
+	if g.handleBatch != nil {
+		window = g.batch.Window
 	}
+	sub := newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), window, cfg.Logger)
 	p.closers = append(p.closers, sub.Close)
 
 	idem, err := idempotency.New(idempotency.Config{
@@ -432,16 +429,30 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		return nil, nil, fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
 	}
 
-	chain := []message.HandlerMiddleware{p.delivered(t.name, g.name), releaseRevoked, refuseReturnedMessages(cfg.Logger, t.name, g.name)}
+	var batch *batcher
+	if g.handleBatch != nil {
+		batch = newBatcher(p, idem, g.handleBatch, g.batch)
+		sub.onSend = batch.announce
+		p.batchers = append(p.batchers, batch)
+	}
+
+	var chain []message.HandlerMiddleware
+	if batch != nil {
+		chain = append(chain, batch.track)
+	}
+	chain = append(chain, p.delivered(t.name, g.name), releaseRevoked, refuseReturnedMessages(cfg.Logger, t.name, g.name))
 	chain = append(chain, g.extra.Observe...)
 	chain = append(chain,
 		middleware.CorrelationID,
-		p.deadLetter(t, g, owners),
-		p.hold(t.name, g.name, owners),
+		p.deadLetter(t, g),
+		p.hold(t.name, g.name),
 		middleware.Recoverer,
 		decodeWith(g.decode),
 	)
 	chain = append(chain, g.extra.BeforeClaim...)
+	if batch != nil {
+		chain = append(chain, batch.claim)
+	}
 	chain = append(chain, idem.Middleware, refuseMessagesInTx)
 	chain = append(chain, g.extra.InTx...)
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
@@ -33,6 +34,44 @@ type Decoder[E Event] func(payload []byte) (E, error)
 // back and the event is tried again.
 type HandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, ev E) error
 
+// BatchHandlerFunc is a consumer group's business logic for a batch of
+// events claimed together (see [Batch]): evs are the batch's events claimed
+// for the first time, in the order of their partitions, and tx holds their
+// claims. It must not commit or roll back tx. Any error rolls the whole
+// batch back, and each of its events is then handled on its own (by
+// [Group.Handle], or by this function with one event), where the error of
+// the one bad event decides its fate alone: held, or dead-lettered when
+// permanent.
+type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) error
+
+// Batch configures a group's group commit: the events of up to Size
+// messages, from every partition the consumer owns, are claimed in one
+// statement and handled and committed in one transaction. The database
+// pays one commit per batch instead of one per event.
+type Batch struct {
+	// Size is the most events in one transaction. Default: 100.
+	Size int
+	// MaxWait is how long a batch waits to fill before it runs with what it
+	// has. Default: 5ms.
+	MaxWait time.Duration
+	// Window is how many messages of one partition may be in flight at once.
+	// A partition's events still reach the handler in order and commit in
+	// order. Default: Size.
+	Window int
+}
+
+func (b *Batch) setDefaults() {
+	if b.Size == 0 {
+		b.Size = 100
+	}
+	if b.MaxWait == 0 {
+		b.MaxWait = 5 * time.Millisecond
+	}
+	if b.Window == 0 {
+		b.Window = b.Size
+	}
+}
+
 // Topic binds one Kafka topic and its event type to the consumer groups that
 // read it. Each group gets the whole safety chain (see the package
 // documentation) and its own dedup.
@@ -54,8 +93,16 @@ type Topic[E Event] struct {
 type Group[E Event] struct {
 	// Name of the consumer group. Required.
 	Name string
-	// Handle is the group's business logic. Required.
+	// Handle is the group's business logic, one event per transaction.
+	// Required unless HandleBatch is set.
 	Handle HandlerFunc[E]
+	// HandleBatch turns the group commit on (see [Batch]): the group's
+	// events are claimed, handled and committed in batches. Handle, if set
+	// too, handles the events of a failed batch one by one. Extra.InTx
+	// cannot be used with it.
+	HandleBatch BatchHandlerFunc[E]
+	// Batch sizes HandleBatch's batches.
+	Batch Batch
 	// DB holds the group's claims and business tables. Default: Config.DB.
 	DB DB
 	// TooOld is the group's policy for events beyond Config.MaxEventAge.
@@ -111,6 +158,9 @@ type groupBinding struct {
 	extra  Extra
 	decode func(payload []byte) (decoded, error)
 	handle func(ctx context.Context, tx pgx.Tx, ev any) error
+	// handleBatch is nil for a group without the group commit.
+	handleBatch func(ctx context.Context, tx pgx.Tx, evs []any) error
+	batch       Batch
 }
 
 // decoded is an event as the chain carries it between decode and handle.
@@ -146,23 +196,45 @@ func (t Topic[E]) binding() (topicBinding, error) {
 	}
 	seen := map[string]bool{}
 	for _, g := range t.Groups {
-		if g.Name == "" || g.Handle == nil {
-			errs = append(errs, fmt.Errorf("pipeline: topic %s: every group needs a Name and a Handle", t.Name))
+		if g.Name == "" || (g.Handle == nil && g.HandleBatch == nil) {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s: every group needs a Name and a Handle or a HandleBatch", t.Name))
 			continue
+		}
+		extra := t.Extra.then(g.Extra)
+		if g.HandleBatch != nil && len(extra.InTx) > 0 {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Extra.InTx wraps one event's handler and cannot wrap HandleBatch", t.Name, g.Name))
+		}
+		if g.Batch.Size < 0 || g.Batch.MaxWait < 0 || g.Batch.Window < 0 {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Batch.Size, Batch.MaxWait and Batch.Window must not be negative", t.Name, g.Name))
 		}
 		if seen[g.Name] {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s: group %s listed twice", t.Name, g.Name))
 		}
 		seen[g.Name] = true
-		handle := g.Handle
-		b.groups = append(b.groups, groupBinding{
+		handle, handleBatch := g.Handle, g.HandleBatch
+		if handle == nil {
+			handle = func(ctx context.Context, tx pgx.Tx, ev E) error { return handleBatch(ctx, tx, []E{ev}) }
+		}
+		gb := groupBinding{
 			name:   g.Name,
 			db:     g.DB,
 			tooOld: g.TooOld,
-			extra:  t.Extra.then(g.Extra),
+			extra:  extra,
 			decode: decode,
 			handle: func(ctx context.Context, tx pgx.Tx, ev any) error { return handle(ctx, tx, ev.(E)) },
-		})
+			batch:  g.Batch,
+		}
+		if handleBatch != nil {
+			gb.batch.setDefaults()
+			gb.handleBatch = func(ctx context.Context, tx pgx.Tx, evs []any) error {
+				typed := make([]E, len(evs))
+				for i, ev := range evs {
+					typed[i] = ev.(E)
+				}
+				return handleBatch(ctx, tx, typed)
+			}
+		}
+		b.groups = append(b.groups, gb)
 	}
 	return b, errors.Join(errs...)
 }

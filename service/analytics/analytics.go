@@ -1,10 +1,15 @@
 package analytics
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/service/order"
 )
@@ -14,6 +19,14 @@ const (
 VALUES ($1, $2, $3, 1)
 ON CONFLICT (customer_id, day)
 DO UPDATE SET revenue = r.revenue + EXCLUDED.revenue, order_count = r.order_count + 1`
+	// The batch form: a batch's orders summed per customer and day first,
+	// rows in key order, so two batches that share rows (two instances
+	// during a rebalance) lock them in the same order.
+	addOrdersSQL = `INSERT INTO analytics.customer_daily_revenue AS r (customer_id, day, revenue, order_count)
+SELECT c, d::date, a::numeric, n FROM unnest($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(c, d, a, n)
+ORDER BY c, d
+ON CONFLICT (customer_id, day)
+DO UPDATE SET revenue = r.revenue + EXCLUDED.revenue, order_count = r.order_count + EXCLUDED.order_count`
 	addRefundSQL = `INSERT INTO analytics.customer_daily_revenue AS r (customer_id, day, revenue, order_count, refunded, refund_count)
 VALUES ($1, $2, 0, 0, $3, 1)
 ON CONFLICT (customer_id, day)
@@ -40,6 +53,33 @@ func (Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed) e
 	_, err := tx.Exec(ctx, addOrderSQL, ev.CustomerID(), day(ev.OccurredAt()), ev.TotalAmount())
 	if err != nil {
 		return fmt.Errorf("analytics: add order %d: %w", ev.OrderID(), err)
+	}
+	return nil
+}
+
+// OnConfirmedBatch is OnConfirmed for a batch (a
+// pipeline.BatchHandlerFunc[order.Confirmed]): one statement for the batch.
+func (Handler) OnConfirmedBatch(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error {
+	type customerDay struct {
+		customer int64
+		day      string
+	}
+	sums := map[customerDay]decimal.Decimal{}
+	counts := map[customerDay]int32{}
+	for _, ev := range evs {
+		k := customerDay{ev.CustomerID(), day(ev.OccurredAt())}
+		sums[k] = sums[k].Add(ev.TotalAmount())
+		counts[k]++
+	}
+	keys := slices.SortedFunc(maps.Keys(sums), func(a, b customerDay) int {
+		return cmp.Or(cmp.Compare(a.customer, b.customer), strings.Compare(a.day, b.day))
+	})
+	customers, days, amounts, n := make([]int64, len(keys)), make([]string, len(keys)), make([]string, len(keys)), make([]int32, len(keys))
+	for i, k := range keys {
+		customers[i], days[i], amounts[i], n[i] = k.customer, k.day, sums[k].String(), counts[k]
+	}
+	if _, err := tx.Exec(ctx, addOrdersSQL, customers, days, amounts, n); err != nil {
+		return fmt.Errorf("analytics: add %d orders: %w", len(evs), err)
 	}
 	return nil
 }
