@@ -67,7 +67,7 @@ type batchEntry struct {
 	// are re-run one by one, in order.
 	runAlone bool
 	since    time.Time
-	result chan error // buffered: the batch never waits for its reader
+	result   chan error // buffered: the batch never waits for its reader
 }
 
 func newBatcher(p *Pipeline, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error, cfg Batch) *batcher {

@@ -249,9 +249,7 @@ func New(cfg Config) (*Pipeline, error) {
 	if err != nil {
 		return nil, err
 	}
-	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
-		slog.LevelInfo: slog.LevelDebug, // Watermill's info lines are per subscription detail
-	})
+	wlog := newWatermillLogger(cfg.Logger)
 	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{})}
 	schemaCfg := cfg.Schema
 	if p.letters, err = dlq.NewStore(dlq.StoreConfig{Schema: schemaCfg.Schema, Table: schemaCfg.DeadLetters}); err != nil {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"regexp"
 	"strconv"
 	"time"
 
@@ -97,6 +96,11 @@ func (f *fields) str(field, want string) (string, bool) {
 	if !ok {
 		return "", false
 	}
+	if len(raw) >= 2 && raw[0] == '"' && bytes.IndexByte(raw, '\\') < 0 {
+		// No escapes: the text between the quotes is the string (the
+		// document was validated as JSON as a whole).
+		return string(raw[1 : len(raw)-1]), true
+	}
 	var s string
 	if raw[0] != '"' || json.Unmarshal(raw, &s) != nil {
 		f.fail(field, want, raw)
@@ -145,7 +149,54 @@ func (f *fields) timestamp(field string) time.Time {
 	return t.UTC()
 }
 
-var jsonInteger = regexp.MustCompile(`^-?(0|[1-9][0-9]*)$`)
+// isJSONInteger reports whether b is a JSON integer literal:
+// -?(0|[1-9][0-9]*).
+func isJSONInteger(b []byte) bool {
+	if len(b) > 0 && b[0] == '-' {
+		b = b[1:]
+	}
+	return digitsEnd(b, 0) == len(b) && len(b) > 0 && (b[0] != '0' || len(b) == 1)
+}
+
+// isJSONNumber reports whether s is a JSON number literal:
+// -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?.
+func isJSONNumber(s string) bool {
+	b := []byte(s)
+	if len(b) > 0 && b[0] == '-' {
+		b = b[1:]
+	}
+	i := digitsEnd(b, 0)
+	if i == 0 || (b[0] == '0' && i > 1) {
+		return false
+	}
+	if i < len(b) && b[i] == '.' {
+		j := digitsEnd(b, i+1)
+		if j == i+1 {
+			return false
+		}
+		i = j
+	}
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		if i < len(b) && (b[i] == '+' || b[i] == '-') {
+			i++
+		}
+		j := digitsEnd(b, i)
+		if j == i {
+			return false
+		}
+		i = j
+	}
+	return i == len(b)
+}
+
+// digitsEnd is the index of the first byte at or after i that is not a digit.
+func digitsEnd(b []byte, i int) int {
+	for i < len(b) && b[i] >= '0' && b[i] <= '9' {
+		i++
+	}
+	return i
+}
 
 // int64 reads a JSON integer literal. A string holding digits, a fraction or
 // an exponent is refused: the guide's field is an int, and a producer that
@@ -156,7 +207,7 @@ func (f *fields) int64(field string) int64 {
 	if !ok {
 		return 0
 	}
-	if !jsonInteger.Match(raw) {
+	if !isJSONInteger(raw) {
 		f.fail(field, want, raw)
 		return 0
 	}
@@ -167,8 +218,6 @@ func (f *fields) int64(field string) int64 {
 	}
 	return n
 }
-
-var jsonNumber = regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$`)
 
 // amount reads a positive decimal with at most two fraction digits, from the
 // string pydantic writes for a Decimal or from a JSON number, parsed from its
@@ -186,7 +235,7 @@ func (f *fields) amount(field string) decimal.Decimal {
 			return decimal.Decimal{}
 		}
 	}
-	if !jsonNumber.MatchString(text) {
+	if !isJSONNumber(text) {
 		f.fail(field, want, raw)
 		return decimal.Decimal{}
 	}

@@ -1,0 +1,47 @@
+package pipeline
+
+import (
+	"context"
+	"log/slog"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// quietLogger is Watermill's slog adapter, with its info lines moved to
+// debug (they are per-subscription detail), and its trace and debug lines
+// dropped before their fields are built: the router writes two per
+// message, and building them cost a measurable share of a batched group's
+// CPU.
+type quietLogger struct {
+	watermill.LoggerAdapter
+	log *slog.Logger
+}
+
+func newWatermillLogger(log *slog.Logger) watermill.LoggerAdapter {
+	return quietLogger{
+		LoggerAdapter: watermill.NewSlogLoggerWithLevelMapping(log, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug}),
+		log:           log,
+	}
+}
+
+func (q quietLogger) Info(msg string, fields watermill.LogFields) {
+	if q.log.Enabled(context.Background(), slog.LevelDebug) {
+		q.LoggerAdapter.Info(msg, fields)
+	}
+}
+
+func (q quietLogger) Debug(msg string, fields watermill.LogFields) {
+	if q.log.Enabled(context.Background(), slog.LevelDebug) {
+		q.LoggerAdapter.Debug(msg, fields)
+	}
+}
+
+func (q quietLogger) Trace(msg string, fields watermill.LogFields) {
+	if q.log.Enabled(context.Background(), watermill.LevelTrace) {
+		q.LoggerAdapter.Trace(msg, fields)
+	}
+}
+
+func (q quietLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return quietLogger{LoggerAdapter: q.LoggerAdapter.With(fields), log: q.log}
+}

@@ -1,0 +1,36 @@
+package order
+
+import (
+	"regexp"
+	"testing"
+)
+
+// The hand-written literal checks accept exactly what the JSON grammar's
+// regular expressions accept.
+func TestLiteralChecksMatchTheGrammar(t *testing.T) {
+	integer := regexp.MustCompile(`^-?(0|[1-9][0-9]*)$`)
+	number := regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$`)
+	for _, s := range []string{"", "-", "0", "-0", "00", "01", "10", "123", "-123", "1.", "1.5", ".5", "1.50", "0.01", "1e5", "1E+5", "1e-5",
+		"1e", "1e+", "1.5e3", "-0.0", "1..2", "1.2.3", "+1", "1 ", " 1", "12a", "9223372036854775808", "1.2e3.4", "--1", "0e0"} {
+		if got, want := isJSONInteger([]byte(s)), integer.MatchString(s); got != want {
+			t.Errorf("isJSONInteger(%q) = %v, want %v", s, got, want)
+		}
+		if got, want := isJSONNumber(s), number.MatchString(s); got != want {
+			t.Errorf("isJSONNumber(%q) = %v, want %v", s, got, want)
+		}
+	}
+}
+
+// FuzzLiteralChecks compares the checks with the grammar on any input.
+func FuzzLiteralChecks(f *testing.F) {
+	integer := regexp.MustCompile(`^-?(0|[1-9][0-9]*)$`)
+	number := regexp.MustCompile(`^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$`)
+	for _, s := range []string{"0", "-1.5e3", "01", "1e"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		if isJSONInteger([]byte(s)) != integer.MatchString(s) || isJSONNumber(s) != number.MatchString(s) {
+			t.Fatalf("%q: the checks and the grammar disagree", s)
+		}
+	})
+}
