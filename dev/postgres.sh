@@ -10,12 +10,22 @@
 #   dev/postgres.sh status
 #
 # Settings: ONCE_PG_PORT (15432), ONCE_DEV_DIR (.dev in the repository).
+# ONCE_PG_DURABLE=1 runs a second, durable cluster instead (.dev/pg-durable,
+# port 15433, fsync and full_page_writes on as every production database
+# has them), for benchmarks: the test cluster runs with fsync=off.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dev_dir=${ONCE_DEV_DIR:-$root/.dev}
-port=${ONCE_PG_PORT:-15432}
-pgdir=$dev_dir/pg
+if [[ -n ${ONCE_PG_DURABLE:-} ]]; then
+	port=${ONCE_PG_PORT:-15433}
+	pgdir=$dev_dir/pg-durable
+	speed_opts=""
+else
+	port=${ONCE_PG_PORT:-15432}
+	pgdir=$dev_dir/pg
+	speed_opts="-c fsync=off -c full_page_writes=off"
+fi
 data=$pgdir/data
 db=once
 url="postgres://once@127.0.0.1:$port/$db?sslmode=disable"
@@ -73,7 +83,7 @@ start() {
 			exit 1
 		fi
 		as_owner "$bin/pg_ctl" -D "$data" -l "$pgdir/postgres.log" -w -t 60 start \
-			-o "-c listen_addresses=127.0.0.1 -p $port -k $pgdir -c max_connections=200 -c fsync=off -c full_page_writes=off" >/dev/null
+			-o "-c listen_addresses=127.0.0.1 -p $port -k $pgdir -c max_connections=200 $speed_opts" >/dev/null
 		log "started on 127.0.0.1:$port"
 	fi
 	if ! as_owner "$bin/psql" -h 127.0.0.1 -p "$port" -U once -d postgres -tAc "select 1 from pg_database where datname='$db'" | grep -q 1; then

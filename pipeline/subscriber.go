@@ -246,3 +246,18 @@ func revokedOf(msg *message.Message) <-chan struct{} {
 	}
 	return nil
 }
+
+// NewSubscriber returns the pipeline's Kafka subscriber for one consumer
+// group, on its own: at most window messages of a partition in flight,
+// offsets committed every second up to the first unacknowledged message.
+// Pipelines make their own; this is for tools that measure the pipeline
+// against the bare subscriber, and for chains built by hand.
+func NewSubscriber(brokers []string, group, kafkaVersion string, window int, logger *slog.Logger) (message.Subscriber, error) {
+	cfg := Config{Brokers: brokers, KafkaVersion: kafkaVersion, Logger: logger}
+	cfg.setDefaults()
+	version, err := ParseKafkaVersion(cfg.KafkaVersion)
+	if err != nil {
+		return nil, err
+	}
+	return newSubscriber(brokers, group, subscriberSaramaConfig(cfg, version, group), window, cfg.Logger), nil
+}

@@ -52,6 +52,8 @@ type cli struct {
 	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
 
 	Maintain       maintainCmd       `cmd:"" help:"Run one retention pass over processed_event (create partitions ahead, drop or delete expired claims) and exit."`
+	Bench          benchCmd          `cmd:"" help:"Measure throughput side by side in one run: the broker's and the database's limits, the unsafe baseline, the pipeline per event and batched, and the style guide's Python consumer."`
+	BenchRun       benchRunCmd       `cmd:"" name:"bench-run" hidden:"" help:"One measurement of app bench, in a process of its own."`
 	BenchRetention benchRetentionCmd `cmd:"" name:"bench-retention" help:"Measure dropping a day's partition vs deleting its rows, and UUIDv7 vs UUIDv4 claim inserts."`
 
 	Orders          ordersCmd          `cmd:"" help:"Run the order service: POST /v1/orders writes the order and its event (outbox), a forwarder moves events to Kafka."`

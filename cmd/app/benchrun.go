@@ -1,0 +1,382 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/progress"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/order"
+)
+
+// benchRunCmd is one measurement of app bench, in a process of its own so
+// that its peak memory is its own. It prints one JSON line.
+type benchRunCmd struct {
+	DB           dbSettings `embed:""`
+	Brokers      []string   `name:"kafka-brokers" env:"KAFKA_BROKERS" sep:"," help:"Kafka bootstrap addresses."`
+	KafkaVersion string     `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
+	Variant      string     `name:"variant" required:"" enum:"L1,L2,L2U,L2B,B,P,PB" help:"What to measure (see app bench --help)."`
+	Topic        string     `name:"topic" help:"Topic to consume (Kafka variants)."`
+	Group        string     `name:"group" required:"" help:"Consumer group, and the claims' group."`
+	Events       int        `name:"events" required:"" help:"Events to process before stopping."`
+	Concurrency  int        `name:"concurrency" default:"12" help:"L2: goroutines, as many as the partitions a consumer owns."`
+	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of the batched variants."`
+	Customers    int64      `name:"customers-from" default:"8000000000000000" help:"L2, L2B: the first of the customer ids the generated events use."`
+	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
+}
+
+// benchFigures is what a measurement reports.
+type benchFigures struct {
+	Variant string  `json:"variant"`
+	Events  int     `json:"events"`
+	Seconds float64 `json:"seconds"`
+	P50ms   float64 `json:"p50_ms"`
+	P99ms   float64 `json:"p99_ms"`
+	// Filled in by app bench.
+	PeakRSSKiB int64  `json:"peak_rss_kib,omitempty"`
+	Skipped    string `json:"skipped,omitempty"`
+}
+
+func (f benchFigures) rate() float64 {
+	if f.Seconds <= 0 {
+		return 0
+	}
+	return float64(f.Events) / f.Seconds
+}
+
+// clock measures a run: from the first event started to the last one done,
+// and every event's latency.
+type clock struct {
+	mu        sync.Mutex
+	first     time.Time
+	last      time.Time
+	latencies []time.Duration
+	done      atomic.Int64
+	want      int64
+	all       chan struct{}
+}
+
+func newClock(events int) *clock {
+	return &clock{latencies: make([]time.Duration, 0, events), want: int64(events), all: make(chan struct{})}
+}
+
+func (c *clock) started(at time.Time) {
+	c.mu.Lock()
+	if c.first.IsZero() || at.Before(c.first) {
+		c.first = at
+	}
+	c.mu.Unlock()
+}
+
+func (c *clock) finished(latency time.Duration) {
+	c.mu.Lock()
+	c.last = time.Now()
+	c.latencies = append(c.latencies, latency)
+	c.mu.Unlock()
+	if c.done.Add(1) == c.want {
+		close(c.all)
+	}
+}
+
+func (c *clock) figures(variant string) benchFigures {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	slices.Sort(c.latencies)
+	pct := func(p float64) float64 {
+		if len(c.latencies) == 0 {
+			return 0
+		}
+		return float64(c.latencies[min(len(c.latencies)-1, int(p*float64(len(c.latencies))))].Microseconds()) / 1000
+	}
+	return benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds(), P50ms: pct(0.50), P99ms: pct(0.99)}
+}
+
+func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
+	pool, err := b.DB.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	c := newClock(b.Events)
+	line := progress.New(d.stderr)
+	defer line.Done()
+	go func() {
+		t := time.NewTicker(500 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-c.all:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				line.Set("%s: %d/%d events", b.Variant, c.done.Load(), b.Events)
+			}
+		}
+	}()
+	if b.CPUProfile != "" {
+		f, err := os.Create(b.CPUProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	// Quiet: a measurement logs only what goes wrong.
+	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	switch b.Variant {
+	case "L2", "L2U":
+		err = b.direct(ctx, pool, c, log)
+	case "L2B":
+		err = b.directBatched(ctx, pool, c, log)
+	case "L1", "B":
+		err = b.bare(ctx, pool, c, log)
+	case "P", "PB":
+		err = b.pipelined(ctx, pool, c, log)
+	}
+	if err != nil {
+		return err
+	}
+	line.Done()
+	return json.NewEncoder(d.stdout).Encode(c.figures(b.Variant))
+}
+
+// wait waits for every event, or fails after a generous limit.
+func (b *benchRunCmd) wait(ctx context.Context, c *clock) error {
+	select {
+	case <-c.all:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(time.Duration(b.Events)*5*time.Millisecond + 10*time.Minute):
+		return fmt.Errorf("bench %s: %d of %d events after the time limit", b.Variant, c.done.Load(), b.Events)
+	}
+}
+
+// events makes n events as app bench publishes them.
+func benchEvents(n int, customersFrom int64) [][]byte {
+	out := make([][]byte, n)
+	now := time.Now()
+	for i := range out {
+		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), now, customersFrom+int64(i), customersFrom+rand.Int64N(10000),
+			decimal.New(100+rand.Int64N(100000), -2))
+		if err != nil {
+			panic(err) // the values above are always valid
+		}
+		out[i], _ = ev.MarshalJSON()
+	}
+	return out
+}
+
+func analyticsUpsert(ctx context.Context, tx pgx.Tx, payload []byte) error {
+	ev, err := order.DecodeConfirmed(payload)
+	if err != nil {
+		return idempotency.Permanent(err)
+	}
+	return analytics.Handler{}.OnConfirmed(ctx, tx, ev)
+}
+
+// direct (L2) runs the claim and the upsert straight from Go, through the
+// idempotency middleware, Concurrency at a time: the database's limit for
+// one event per transaction.
+func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
+	m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: b.Group, Logger: log})
+	if err != nil {
+		return err
+	}
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, err := idempotency.TxFromContext(msg.Context())
+		if err != nil {
+			return nil, err
+		}
+		return nil, analyticsUpsert(msg.Context(), tx, msg.Payload)
+	})
+	if b.Variant == "L2U" {
+		// The upsert alone, in a transaction of its own: what the claim
+		// costs the database is L2 against this.
+		h = func(msg *message.Message) ([]*message.Message, error) {
+			return nil, pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return analyticsUpsert(msg.Context(), tx, msg.Payload) })
+		}
+	}
+	work := make(chan []byte)
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	for range b.Concurrency {
+		wg.Go(func() {
+			for p := range work {
+				start := time.Now()
+				c.started(start)
+				msg := message.NewMessage(watermill.NewUUID(), p)
+				msg.SetContext(ctx)
+				if _, err := h(msg); err != nil {
+					failed.Store(err)
+				}
+				c.finished(time.Since(start))
+			}
+		})
+	}
+	for _, p := range benchEvents(b.Events, b.Customers) {
+		work <- p
+	}
+	close(work)
+	wg.Wait()
+	if err, _ := failed.Load().(error); err != nil {
+		return fmt.Errorf("bench L2: %w", err)
+	}
+	return nil
+}
+
+// directBatched (L2B) is L2 with the group commit: BatchSize events per
+// transaction, one batch at a time, as a batched group runs them.
+func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
+	m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: b.Group, Logger: log})
+	if err != nil {
+		return err
+	}
+	payloads := benchEvents(b.Events, b.Customers)
+	for i := 0; i < len(payloads); i += b.BatchSize {
+		chunk := payloads[i:min(i+b.BatchSize, len(payloads))]
+		msgs := make([]*message.Message, len(chunk))
+		for j, p := range chunk {
+			msgs[j] = message.NewMessage(watermill.NewUUID(), p)
+			msgs[j].SetContext(ctx)
+		}
+		start := time.Now()
+		c.started(start)
+		errs := m.ProcessBatch(ctx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
+			evs := make([]order.Confirmed, len(claimed))
+			for j, msg := range claimed {
+				if evs[j], err = order.DecodeConfirmed(msg.Payload); err != nil {
+					return err
+				}
+			}
+			return analytics.Handler{}.OnConfirmedBatch(ctx, tx, evs)
+		})
+		for _, err := range errs {
+			if err != nil {
+				return fmt.Errorf("bench L2B: %w", err)
+			}
+		}
+		for range chunk {
+			c.finished(time.Since(start))
+		}
+	}
+	return nil
+}
+
+// bare (L1, B) runs the pipeline's subscriber in a plain Watermill router:
+// L1 acknowledges every message at once (the broker's and the stack's
+// limit), B decodes it and runs the analytics upsert in a transaction of its
+// own, without a claim (the unsafe baseline).
+func (b *benchRunCmd) bare(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
+	sub, err := pipeline.NewSubscriber(b.Brokers, b.Group, b.KafkaVersion, 1, log)
+	if err != nil {
+		return err
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NewSlogLogger(log))
+	if err != nil {
+		return err
+	}
+	router.AddConsumerHandler("bench", b.Topic, sub, func(msg *message.Message) error {
+		start := time.Now()
+		c.started(start)
+		if b.Variant == "B" {
+			if err := pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return analyticsUpsert(msg.Context(), tx, msg.Payload) }); err != nil {
+				return err
+			}
+		}
+		c.finished(time.Since(start))
+		return nil
+	})
+	return b.runRouter(ctx, c, func(ctx context.Context) error { return router.Run(ctx) })
+}
+
+func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.Context) error) error {
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- run(runCtx) }()
+	waitErr := b.wait(ctx, c)
+	cancel()
+	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+		return err
+	}
+	return waitErr
+}
+
+// pipelined (P, PB) runs the analytics group through the whole pipeline:
+// per event, or batched. The latency is each message's, from the moment it
+// enters the group's chain to its commit (a batch's wait included).
+func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
+	g := pipeline.Group[order.Confirmed]{Name: b.Group, Handle: analytics.Handler{}.OnConfirmed}
+	if b.Variant == "PB" {
+		g = pipeline.Group[order.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize}}
+	}
+	g.Extra.Observe = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			start := time.Now()
+			c.started(start)
+			out, err := h(msg)
+			if err == nil {
+				c.finished(time.Since(start))
+			}
+			return out, err
+		}
+	}}
+	p, err := pipeline.New(pipeline.Config{
+		Brokers: b.Brokers, KafkaVersion: b.KafkaVersion, DB: pool, Logger: log,
+		Topics: []pipeline.Binding{pipeline.Topic[order.Confirmed]{Name: b.Topic, Decode: order.DecodeConfirmed, Groups: []pipeline.Group[order.Confirmed]{g}}},
+	})
+	if err != nil {
+		return err
+	}
+	return b.runRouter(ctx, c, p.Run)
+}
+
+// publishBench writes payloads to topic, keyed by order id, through an
+// idempotent producer; progress reports how far it got.
+func publishBench(brokers []string, version sarama.KafkaVersion, topic string, payloads [][]byte, progress func(int)) error {
+	cfg := pipeline.PublisherSaramaConfig(version)
+	cfg.Producer.Compression = sarama.CompressionNone
+	producer, err := sarama.NewSyncProducer(brokers, cfg)
+	if err != nil {
+		return fmt.Errorf("kafka producer: %w", err)
+	}
+	defer producer.Close()
+	const chunk = 2000
+	for i := 0; i < len(payloads); i += chunk {
+		var msgs []*sarama.ProducerMessage
+		for j, p := range payloads[i:min(i+chunk, len(payloads))] {
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(i + j)), Value: sarama.ByteEncoder(p)})
+		}
+		if err := producer.SendMessages(msgs); err != nil {
+			return fmt.Errorf("publish to %s: %w", topic, err)
+		}
+		progress(i + len(msgs))
+	}
+	return nil
+}

@@ -1,0 +1,319 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/progress"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/migrations"
+)
+
+type benchCmd struct {
+	DB           dbSettings `embed:""`
+	Brokers      []string   `name:"kafka-brokers" env:"KAFKA_BROKERS" required:"" sep:"," help:"Kafka bootstrap addresses, host:port, comma-separated."`
+	KafkaVersion string     `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
+	Events       int        `name:"events" default:"200000" help:"Events each variant of the main table processes."`
+	Partitions   int32      `name:"partitions" default:"12" help:"Partitions of the main table's topic (and L2's concurrency)."`
+	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of PB and L2B."`
+	Sweep        []int32    `name:"sweep" default:"1,4,12,24" sep:"," help:"Partition counts of the sweep (P and PB); empty for none."`
+	SweepEvents  int        `name:"sweep-events" default:"20000" help:"Events per run of the sweep."`
+	PeerEvents   int        `name:"peer-events" default:"10000" help:"Events the Python peer reads (it runs at a few hundred a second)."`
+	PeerPython   string     `name:"peer-python" env:"ONCE_SEEDPEER_PYTHON" help:"Python with the peer's packages. Default: the venv that the seedpeer's setup.sh makes (.dev/seedpeer-venv)."`
+	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: ../shared/bench/seedpeer, else dev/seedpeer."`
+	KeepTopics   bool       `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
+	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,Peer" help:"Run only these variants of the main table (default: all)."`
+}
+
+func (b *benchCmd) Validate() error {
+	if b.Events < 1000 || b.SweepEvents < 1000 {
+		return fmt.Errorf("--events and --sweep-events must be at least 1000")
+	}
+	if b.Partitions < 1 || slices.ContainsFunc(b.Sweep, func(p int32) bool { return p < 1 }) {
+		return fmt.Errorf("--partitions and every --sweep count must be at least 1")
+	}
+	if b.BatchSize < 1 {
+		return fmt.Errorf("--batch-size must be at least 1")
+	}
+	return nil
+}
+
+// benchVariants are the rows of the main table, in order.
+var benchVariants = []struct{ name, what string }{
+	{"L1", "broker limit: the pipeline's subscriber, a no-op handler"},
+	{"L2", "database limit: claim + upsert from Go, no Kafka, per event"},
+	{"L2U", "database, no dedup: the upsert alone from Go, per event"},
+	{"L2B", "database limit, batched: the same, %d events per transaction"},
+	{"B", "baseline: subscriber + upsert in a transaction, no dedup (unsafe)"},
+	{"P", "the idempotent pipeline, per event"},
+	{"PB", "the idempotent pipeline, batched (%d per transaction)"},
+	{"Peer", "the style guide's Python consumer (aiokafka + asyncpg)"},
+}
+
+func (b *benchCmd) Run(ctx context.Context, d deps) error {
+	version, err := pipeline.ParseKafkaVersion(b.KafkaVersion)
+	if err != nil {
+		return fmt.Errorf("--kafka-version (KAFKA_VERSION): %w", err)
+	}
+	pool, err := b.DB.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if _, err := migrations.Up(ctx, pool); err != nil {
+		return err
+	}
+	var server, fsync, syncCommit string
+	_ = pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).Scan(&server, &fsync, &syncCommit)
+
+	run := "bench-" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	line := progress.New(d.stderr)
+	defer line.Done()
+	admin, err := sarama.NewClusterAdmin(b.Brokers, pipeline.PublisherSaramaConfig(version))
+	if err != nil {
+		return fmt.Errorf("--kafka-brokers (KAFKA_BROKERS): %w", err)
+	}
+	defer admin.Close()
+	var topics, groups []string
+	defer func() { b.cleanup(context.WithoutCancel(ctx), pool, admin, run, topics, groups) }()
+
+	// One topic per partition count, each written once; every variant reads
+	// it with a consumer group of its own.
+	counts := map[int32]int{b.Partitions: b.Events}
+	for _, p := range b.Sweep {
+		if _, ok := counts[p]; !ok {
+			counts[p] = b.SweepEvents
+		}
+	}
+	topicOf := map[int32]string{}
+	for _, p := range slices.Sorted(maps.Keys(counts)) {
+		topic := fmt.Sprintf("%s.p%d", run, p)
+		if err := pipeline.EnsureTopics(ctx, b.Brokers, version, p, 1, topic); err != nil {
+			return err
+		}
+		topics, topicOf[p] = append(topics, topic), topic
+		payloads := benchEvents(counts[p], benchCustomers)
+		if err := publishBench(b.Brokers, version, topic, payloads, func(n int) { line.Set("publishing %s: %d/%d", topic, n, len(payloads)) }); err != nil {
+			return err
+		}
+	}
+
+	only := func(v string) bool { return len(b.Only) == 0 || slices.Contains(b.Only, v) }
+	measurements := 0
+	measure := func(variant string, partitions int32, events int) benchFigures {
+		// A group of its own for every measurement: a group that already
+		// read the topic would wait for events that never come.
+		measurements++
+		group := fmt.Sprintf("%s.%d.%s.p%d", run, measurements, strings.ToLower(variant), partitions)
+		groups = append(groups, group)
+		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions))
+		if err != nil {
+			line.Done()
+			fmt.Fprintf(d.stderr, "bench %s: %v\n", variant, err)
+			return benchFigures{Variant: variant, Skipped: err.Error()}
+		}
+		return f
+	}
+
+	main := map[string]benchFigures{}
+	for _, v := range benchVariants {
+		if !only(v.name) {
+			continue
+		}
+		line.Set("measuring %s", v.name)
+		if v.name == "Peer" {
+			group := run + ".peer"
+			groups = append(groups, group)
+			main[v.name] = b.peer(ctx, d, topicOf[b.Partitions], group)
+			continue
+		}
+		main[v.name] = measure(v.name, b.Partitions, b.Events)
+	}
+	type sweepRow struct {
+		partitions int32
+		p, pb      benchFigures
+	}
+	var sweep []sweepRow
+	for _, p := range b.Sweep {
+		line.Set("sweep: %d partitions", p)
+		sweep = append(sweep, sweepRow{p, measure("P", p, counts[p]), measure("PB", p, counts[p])})
+	}
+	line.Done()
+
+	w := d.stdout
+	fmt.Fprintf(w, "once bench: %d events on %d partitions (sweep: %d events), batch %d; PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n\n",
+		b.Events, b.Partitions, b.SweepEvents, b.BatchSize, server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
+	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(t, "variant\t events/s\t p50 ms\t p99 ms\t peak RSS MiB\twhat")
+	for _, v := range benchVariants {
+		f, ok := main[v.name]
+		if !ok {
+			continue
+		}
+		what := v.what
+		if strings.Contains(what, "%d") {
+			what = fmt.Sprintf(what, b.BatchSize)
+		}
+		if f.Skipped != "" {
+			fmt.Fprintf(t, "%s\t%9s\t%7s\t%7s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", what, f.Skipped)
+			continue
+		}
+		lat50, lat99 := fmt.Sprintf("%.2f", f.P50ms), fmt.Sprintf("%.2f", f.P99ms)
+		if v.name == "Peer" || v.name == "L1" {
+			lat50, lat99 = "-", "-"
+		}
+		fmt.Fprintf(t, "%s\t%9.0f\t%7s\t%7s\t%13.0f\t%s\n", v.name, f.rate(), lat50, lat99, float64(f.PeakRSSKiB)/1024, what)
+	}
+	t.Flush()
+
+	fmt.Fprintln(w)
+	ratio := func(name, a, bb string) {
+		fa, oka := main[a]
+		fb, okb := main[bb]
+		if !oka || !okb || fa.rate() == 0 || fb.rate() == 0 {
+			return
+		}
+		fmt.Fprintf(w, "  %-16s %6.2fx\n", name, fa.rate()/fb.rate())
+	}
+	ratio("P/B", "P", "B")
+	ratio("L2/L2U", "L2", "L2U")
+	ratio("P/L2", "P", "L2")
+	ratio("PB/P", "PB", "P")
+	ratio("PB/L2B", "PB", "L2B")
+	ratio("L2/L2B", "L2", "L2B")
+	ratio("P/Peer", "P", "Peer")
+	ratio("PB/Peer", "PB", "Peer")
+
+	if len(sweep) > 0 {
+		fmt.Fprintf(w, "\nsweep (%d events each; latencies in ms, from entering the chain to the commit)\n", b.SweepEvents)
+		t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(t, "partitions\tP events/s\tP p99\tPB events/s\tPB p99\tPB/P\t")
+		for _, r := range sweep {
+			x := "-"
+			if r.p.rate() > 0 && r.pb.rate() > 0 {
+				x = fmt.Sprintf("%.1fx", r.pb.rate()/r.p.rate())
+			}
+			fmt.Fprintf(t, "%d\t%.0f\t%.2f\t%.0f\t%.2f\t%s\t\n", r.partitions, r.p.rate(), r.p.P99ms, r.pb.rate(), r.pb.P99ms, x)
+		}
+		t.Flush()
+	}
+	fmt.Fprintln(w, "\nlatency: from a message entering the group's chain (P, PB, B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's.")
+	for _, f := range main {
+		if f.Skipped != "" && f.Variant != "Peer" {
+			return fmt.Errorf("bench: %s failed: %s", f.Variant, f.Skipped)
+		}
+	}
+	return nil
+}
+
+// benchCustomers is where the generated events' customer and order ids
+// start: far from any real one, so cleanup can find them.
+const benchCustomers = 8_000_000_000_000_000
+
+// child runs one measurement in a process of its own and adds its peak RSS.
+func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int) (benchFigures, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return benchFigures{}, err
+	}
+	args := []string{"bench-run", "--variant", variant, "--topic", topic, "--group", group,
+		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(partitions), "--batch-size", strconv.Itoa(b.BatchSize),
+		"--kafka-brokers", strings.Join(b.Brokers, ","), "--kafka-version", b.KafkaVersion,
+		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(max(partitions+4, 8)),
+		"--customers-from", strconv.FormatInt(benchCustomers+int64(time.Now().UnixNano()%1_000_000_000)*100, 10)}
+	cmd := exec.CommandContext(ctx, self, args...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, d.stderr
+	if err := cmd.Run(); err != nil {
+		return benchFigures{}, fmt.Errorf("%s: %w", variant, err)
+	}
+	var f benchFigures
+	if err := json.Unmarshal(out.Bytes(), &f); err != nil {
+		return benchFigures{}, fmt.Errorf("%s printed %q: %w", variant, out.String(), err)
+	}
+	f.PeakRSSKiB = maxRSS(cmd.ProcessState)
+	return f, nil
+}
+
+func maxRSS(ps *os.ProcessState) int64 {
+	if ru, ok := ps.SysUsage().(*syscall.Rusage); ok {
+		return ru.Maxrss // KiB on Linux
+	}
+	return 0
+}
+
+// peer runs the style guide's own consumer on the main topic.
+func (b *benchCmd) peer(ctx context.Context, d deps, topic, group string) benchFigures {
+	skip := func(why string) benchFigures { return benchFigures{Variant: "Peer", Skipped: why} }
+	dir := b.PeerDir
+	if dir == "" {
+		for _, c := range []string{"../shared/bench/seedpeer", "dev/seedpeer"} {
+			if _, err := os.Stat(filepath.Join(c, "consume.py")); err == nil {
+				dir = c
+				break
+			}
+		}
+	}
+	if dir == "" {
+		return skip("consume.py not found: set --peer-dir")
+	}
+	python := b.PeerPython
+	if python == "" {
+		out, err := exec.CommandContext(ctx, filepath.Join(dir, "setup.sh"), ".dev/seedpeer-venv").Output()
+		if err != nil {
+			return skip(fmt.Sprintf("python venv: %v", err))
+		}
+		python = strings.TrimSpace(string(out))
+	}
+	cmd := exec.CommandContext(ctx, python, filepath.Join(dir, "consume.py"), "--brokers", strings.Join(b.Brokers, ","),
+		"--topic", topic, "--dsn", b.DB.DatabaseURL, "--group", group, "--expect", strconv.Itoa(b.PeerEvents))
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, io.Discard
+	if err := cmd.Run(); err != nil {
+		return skip(fmt.Sprintf("consume.py: %v", err))
+	}
+	var r struct {
+		Messages int     `json:"messages"`
+		Seconds  float64 `json:"seconds"`
+	}
+	if err := json.Unmarshal(bytes.TrimSpace(out.Bytes()), &r); err != nil {
+		return skip(fmt.Sprintf("consume.py printed %q", out.String()))
+	}
+	return benchFigures{Variant: "Peer", Events: r.Messages, Seconds: r.Seconds, PeakRSSKiB: maxRSS(cmd.ProcessState)}
+}
+
+// cleanup removes what the run made: its topics, consumer groups, claims
+// and analytics rows.
+func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama.ClusterAdmin, run string, topics, groups []string) {
+	for _, t := range topics {
+		if b.KeepTopics {
+			fmt.Fprintf(os.Stderr, "kept topic %s\n", t)
+			continue
+		}
+		_ = admin.DeleteTopic(t)
+	}
+	for _, g := range groups {
+		_ = admin.DeleteConsumerGroup(g)
+	}
+	_, _ = pool.Exec(ctx, `DELETE FROM processed_event WHERE consumer_group LIKE $1`, run+".%")
+	_, _ = pool.Exec(ctx, `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1`, int64(benchCustomers))
+	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, run+".%")
+	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.revenue WHERE customer_id >= $1`, int64(benchCustomers))
+}
