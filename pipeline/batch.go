@@ -205,13 +205,28 @@ func (b *batcher) withdraw(e *batchEntry) {
 }
 
 // run forms and commits batches until ctx ends.
+//
+// Up to Concurrency batches run at once. They never share a partition: a
+// message joins a batch only when everything before it in its partition is
+// done, so a partition's events stay in one batch at a time, in order.
 func (b *batcher) run(ctx context.Context) {
+	slots := make(chan struct{}, b.cfg.Concurrency)
+	var running sync.WaitGroup
+	defer running.Wait()
 	for {
+		select {
+		case slots <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
 		batch := b.next(ctx)
 		if batch == nil {
 			return
 		}
-		b.commit(ctx, batch)
+		running.Go(func() {
+			defer func() { <-slots }()
+			b.commit(ctx, batch)
+		})
 	}
 }
 

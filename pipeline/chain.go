@@ -51,6 +51,13 @@ const maxReasonBytes = 4 << 10
 
 type deliveryCtxKey struct{}
 
+// deliveryInfo is what the chain knows of a delivery from its start: the
+// subscriber's context, and where the message came from.
+type deliveryInfo struct {
+	orig  context.Context
+	claim claimInfo
+}
+
 // delivered reports the delivery and remembers the context the subscriber
 // gave the message: its end is the shutdown's, whatever contexts a team's
 // middleware puts in front of it later.
@@ -61,7 +68,10 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 				p.cfg.OnDelivered(delivery(topic, group, msg))
 			}
 			orig := msg.Context()
-			msg.SetContext(context.WithValue(orig, deliveryCtxKey{}, orig))
+			// The claim is looked up here once: later lookups find it a few
+			// contexts up instead of at the bottom of the router's chain.
+			c, _ := claimOf(msg)
+			msg.SetContext(context.WithValue(orig, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c}))
 			defer msg.SetContext(orig)
 			return h(msg)
 		}
@@ -77,7 +87,7 @@ func (p *Pipeline) stopped(msg *message.Message) bool {
 		return true
 	default:
 	}
-	if orig, ok := msg.Context().Value(deliveryCtxKey{}).(context.Context); ok && orig.Err() != nil {
+	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok && d.orig.Err() != nil {
 		return true
 	}
 	return p.router.IsClosed()

@@ -121,105 +121,120 @@ type claimHandler struct {
 func (h *claimHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
 func (h *claimHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
-// inFlight is a message of the partition handed out and not acknowledged.
-type inFlight struct {
-	km    *sarama.ConsumerMessage
-	acked bool
-}
-
-type settled struct {
-	f     *inFlight
-	acked bool
-}
-
 // ConsumeClaim hands out a partition's messages, up to the window at once,
-// and marks the offset after the longest acknowledged prefix.
+// and marks each offset once its message and every one before it are
+// acknowledged.
 func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	owner := sess.Context()
-	window := h.s.window
-	var queue []*inFlight
-	// Each message in flight settles once before it is handed out again, so
-	// the buffer never fills.
-	results := make(chan settled, window)
-	send := func(f *inFlight) bool {
-		msg, err := unmarshaler{}.Unmarshal(f.km)
-		if err != nil { // unreachable: the unmarshaler never fails
-			h.s.log.Error("kafka: unreadable message", "err", err)
-			return false
-		}
-		msg.SetContext(context.WithValue(h.ctx, claimCtxKey{}, claimInfo{owner: owner, topic: f.km.Topic, partition: f.km.Partition}))
-		// Announced before it is handed out: the router may run it at once.
-		if h.s.onSend != nil {
-			h.s.onSend(msg)
-		}
-		select {
-		case h.out <- msg:
-		case <-owner.Done():
-			return false
-		case <-h.ctx.Done():
-			return false
-		}
-		go func() {
-			select {
-			case <-msg.Acked():
-				results <- settled{f, true}
-			case <-msg.Nacked():
-				results <- settled{f, false}
-			case <-owner.Done():
-			case <-h.ctx.Done():
-			}
-		}()
-		return true
-	}
-	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
+	// In flight, in order. Its capacity and the one the acker waits on make
+	// the window: a message is queued here before it is handed out.
+	inFlight := make(chan *handedOut, h.s.window-1)
+	ackerDone := make(chan struct{})
+	go func() {
+		defer close(ackerDone)
+		h.ack(sess, owner, inFlight)
+	}()
+	defer func() { <-ackerDone }()
 	messages := claim.Messages()
 	for {
-		var next <-chan *sarama.ConsumerMessage
-		if len(queue) < window {
-			next = messages
-		}
 		select {
-		case km, ok := <-next:
+		case km, ok := <-messages:
 			if !ok {
 				return nil
 			}
-			f := &inFlight{km: km}
-			queue = append(queue, f)
-			if !send(f) {
+			m := &handedOut{km: km, msg: h.message(km, owner)}
+			select {
+			case inFlight <- m:
+			case <-owner.Done():
+				return nil
+			case <-h.ctx.Done():
 				return nil
 			}
-		case r := <-results:
-			if !r.acked {
-				// Given back (a shutdown, a revocation, a middleware's
-				// timeout): hand it out again, as watermill-kafka does.
-				select {
-				case <-time.After(nackResendSleep):
-				case <-owner.Done():
-					return nil
-				case <-h.ctx.Done():
-					return nil
-				}
-				if !send(r.f) {
-					return nil
-				}
-				continue
-			}
-			r.f.acked = true
-			var last *inFlight
-			for len(queue) > 0 && queue[0].acked {
-				last, queue = queue[0], queue[1:]
-			}
-			if last != nil && owner.Err() == nil {
-				sess.MarkOffset(last.km.Topic, last.km.Partition, last.km.Offset+1, "")
-				if commitEach {
-					sess.Commit()
-				}
+			if !h.handOut(m.msg, owner) {
+				return nil
 			}
 		case <-owner.Done():
 			return nil
 		case <-h.ctx.Done():
 			return nil
 		}
+	}
+}
+
+// handedOut is a message of the partition handed to the router.
+type handedOut struct {
+	km  *sarama.ConsumerMessage
+	msg *message.Message
+}
+
+// ack waits for the partition's messages in order: an acknowledged one
+// marks its offset; one given back (a shutdown, a revocation, a
+// middleware's timeout) is handed out again, as watermill-kafka does. A
+// message given back behind one still in flight is handed out again when
+// its turn comes.
+func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, inFlight <-chan *handedOut) {
+	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
+	for {
+		var m *handedOut
+		select {
+		case m = <-inFlight:
+		case <-owner.Done():
+			return
+		case <-h.ctx.Done():
+			return
+		}
+		for {
+			select {
+			case <-m.msg.Acked():
+			case <-m.msg.Nacked():
+				select {
+				case <-time.After(nackResendSleep):
+				case <-owner.Done():
+					return
+				case <-h.ctx.Done():
+					return
+				}
+				m.msg = h.message(m.km, owner)
+				if !h.handOut(m.msg, owner) {
+					return
+				}
+				continue
+			case <-owner.Done():
+				return
+			case <-h.ctx.Done():
+				return
+			}
+			break
+		}
+		if owner.Err() == nil {
+			sess.MarkOffset(m.km.Topic, m.km.Partition, m.km.Offset+1, "")
+			if commitEach {
+				sess.Commit()
+			}
+		}
+	}
+}
+
+// message makes the Watermill message of km, owned by the session.
+func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context) *message.Message {
+	msg, _ := unmarshaler{}.Unmarshal(km) // never fails
+	msg.SetContext(context.WithValue(h.ctx, claimCtxKey{}, claimInfo{owner: owner, topic: km.Topic, partition: km.Partition}))
+	return msg
+}
+
+// handOut gives msg to the router, announced first (a batched group's
+// ordering): the router may run it at once.
+func (h *claimHandler) handOut(msg *message.Message, owner context.Context) bool {
+	if h.s.onSend != nil {
+		h.s.onSend(msg)
+	}
+	select {
+	case h.out <- msg:
+		return true
+	case <-owner.Done():
+		return false
+	case <-h.ctx.Done():
+		return false
 	}
 }
 
@@ -241,6 +256,12 @@ func claimOf(msg *message.Message) (claimInfo, bool) {
 // revokedOf is closed when the partition msg came from is revoked from this
 // process (or its session ends for any other reason).
 func revokedOf(msg *message.Message) <-chan struct{} {
+	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok {
+		if d.claim.owner == nil {
+			return nil
+		}
+		return d.claim.owner.Done()
+	}
 	if c, ok := claimOf(msg); ok {
 		return c.owner.Done()
 	}

@@ -58,6 +58,9 @@ type Batch struct {
 	// A partition's events still reach the handler in order and commit in
 	// order. Default: Size.
 	Window int
+	// Concurrency is how many batches may run at once, each on a
+	// connection of its own; they never share a partition. Default: 2.
+	Concurrency int
 }
 
 func (b *Batch) setDefaults() {
@@ -69,6 +72,9 @@ func (b *Batch) setDefaults() {
 	}
 	if b.Window == 0 {
 		b.Window = b.Size
+	}
+	if b.Concurrency == 0 {
+		b.Concurrency = 2
 	}
 }
 
@@ -204,8 +210,8 @@ func (t Topic[E]) binding() (topicBinding, error) {
 		if g.HandleBatch != nil && len(extra.InTx) > 0 {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Extra.InTx wraps one event's handler and cannot wrap HandleBatch", t.Name, g.Name))
 		}
-		if g.Batch.Size < 0 || g.Batch.MaxWait < 0 || g.Batch.Window < 0 {
-			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Batch.Size, Batch.MaxWait and Batch.Window must not be negative", t.Name, g.Name))
+		if g.Batch.Size < 0 || g.Batch.MaxWait < 0 || g.Batch.Window < 0 || g.Batch.Concurrency < 0 {
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Batch.Size, Batch.MaxWait, Batch.Window and Batch.Concurrency must not be negative", t.Name, g.Name))
 		}
 		if seen[g.Name] {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s: group %s listed twice", t.Name, g.Name))

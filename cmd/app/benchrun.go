@@ -11,6 +11,7 @@ import (
 	"runtime/pprof"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,6 +43,7 @@ type benchRunCmd struct {
 	Events       int        `name:"events" required:"" help:"Events to process before stopping."`
 	Concurrency  int        `name:"concurrency" default:"12" help:"L2: goroutines, as many as the partitions a consumer owns."`
 	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of the batched variants."`
+	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	Customers    int64      `name:"customers-from" default:"8000000000000000" help:"L2, L2B: the first of the customer ids the generated events use."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 }
@@ -162,7 +164,26 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	line.Done()
-	return json.NewEncoder(d.stdout).Encode(c.figures(b.Variant))
+	f := c.figures(b.Variant)
+	f.PeakRSSKiB = peakRSS(os.Getpid())
+	return json.NewEncoder(d.stdout).Encode(f)
+}
+
+// peakRSS is a process's VmHWM, its resident set's high-water mark, in KiB:
+// of the process since its exec. (getrusage's maxrss would carry over the
+// parent's size from the fork.)
+func peakRSS(pid int) int64 {
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(status), "\n") {
+		if rest, ok := strings.CutPrefix(l, "VmHWM:"); ok {
+			kib, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return kib
+		}
+	}
+	return 0
 }
 
 // wait waits for every event, or fails after a generous limit.
@@ -258,8 +279,33 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 		return err
 	}
 	payloads := benchEvents(b.Events, b.Customers)
-	for i := 0; i < len(payloads); i += b.BatchSize {
-		chunk := payloads[i:min(i+b.BatchSize, len(payloads))]
+	chunks := make(chan [][]byte)
+	go func() {
+		defer close(chunks)
+		for i := 0; i < len(payloads); i += b.BatchSize {
+			chunks <- payloads[i:min(i+b.BatchSize, len(payloads))]
+		}
+	}()
+	var failed atomic.Value
+	var wg sync.WaitGroup
+	for range b.BatchConc {
+		wg.Go(func() {
+			for chunk := range chunks {
+				if err := b.oneBatch(ctx, m, c, chunk); err != nil {
+					failed.Store(err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if err, _ := failed.Load().(error); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c *clock, chunk [][]byte) error {
+	{
 		msgs := make([]*message.Message, len(chunk))
 		for j, p := range chunk {
 			msgs[j] = message.NewMessage(watermill.NewUUID(), p)
@@ -270,6 +316,7 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 		errs := m.ProcessBatch(ctx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
 			evs := make([]order.Confirmed, len(claimed))
 			for j, msg := range claimed {
+				var err error
 				if evs[j], err = order.DecodeConfirmed(msg.Payload); err != nil {
 					return err
 				}
@@ -334,7 +381,7 @@ func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.
 func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
 	g := pipeline.Group[order.Confirmed]{Name: b.Group, Handle: analytics.Handler{}.OnConfirmed}
 	if b.Variant == "PB" {
-		g = pipeline.Group[order.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize}}
+		g = pipeline.Group[order.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc}}
 	}
 	g.Extra.Observe = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {

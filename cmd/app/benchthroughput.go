@@ -13,7 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
+	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
@@ -33,6 +33,7 @@ type benchCmd struct {
 	Events       int        `name:"events" default:"200000" help:"Events each variant of the main table processes."`
 	Partitions   int32      `name:"partitions" default:"12" help:"Partitions of the main table's topic (and L2's concurrency)."`
 	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of PB and L2B."`
+	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once in PB (pipeline.Batch.Concurrency) and L2B."`
 	Sweep        []int32    `name:"sweep" default:"1,4,12,24" sep:"," help:"Partition counts of the sweep (P and PB); empty for none."`
 	SweepEvents  int        `name:"sweep-events" default:"20000" help:"Events per run of the sweep."`
 	PeerEvents   int        `name:"peer-events" default:"10000" help:"Events the Python peer reads (it runs at a few hundred a second)."`
@@ -60,10 +61,10 @@ var benchVariants = []struct{ name, what string }{
 	{"L1", "broker limit: the pipeline's subscriber, a no-op handler"},
 	{"L2", "database limit: claim + upsert from Go, no Kafka, per event"},
 	{"L2U", "database, no dedup: the upsert alone from Go, per event"},
-	{"L2B", "database limit, batched: the same, %d events per transaction"},
+	{"L2B", "database limit, batched: the same, %d events per transaction, %d at once"},
 	{"B", "baseline: subscriber + upsert in a transaction, no dedup (unsafe)"},
 	{"P", "the idempotent pipeline, per event"},
-	{"PB", "the idempotent pipeline, batched (%d per transaction)"},
+	{"PB", "the idempotent pipeline, batched (%d per transaction, %d at once)"},
 	{"Peer", "the style guide's Python consumer (aiokafka + asyncpg)"},
 }
 
@@ -169,7 +170,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		}
 		what := v.what
 		if strings.Contains(what, "%d") {
-			what = fmt.Sprintf(what, b.BatchSize)
+			what = fmt.Sprintf(what, b.BatchSize, b.BatchConc)
 		}
 		if f.Skipped != "" {
 			fmt.Fprintf(t, "%s\t%9s\t%7s\t%7s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", what, f.Skipped)
@@ -234,7 +235,7 @@ func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group stri
 		return benchFigures{}, err
 	}
 	args := []string{"bench-run", "--variant", variant, "--topic", topic, "--group", group,
-		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(partitions), "--batch-size", strconv.Itoa(b.BatchSize),
+		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(partitions), "--batch-size", strconv.Itoa(b.BatchSize), "--batch-concurrency", strconv.Itoa(b.BatchConc),
 		"--kafka-brokers", strings.Join(b.Brokers, ","), "--kafka-version", b.KafkaVersion,
 		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(max(partitions+4, 8)),
 		"--customers-from", strconv.FormatInt(benchCustomers+int64(time.Now().UnixNano()%1_000_000_000)*100, 10)}
@@ -248,15 +249,7 @@ func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group stri
 	if err := json.Unmarshal(out.Bytes(), &f); err != nil {
 		return benchFigures{}, fmt.Errorf("%s printed %q: %w", variant, out.String(), err)
 	}
-	f.PeakRSSKiB = maxRSS(cmd.ProcessState)
 	return f, nil
-}
-
-func maxRSS(ps *os.ProcessState) int64 {
-	if ru, ok := ps.SysUsage().(*syscall.Rusage); ok {
-		return ru.Maxrss // KiB on Linux
-	}
-	return 0
 }
 
 // peer runs the style guide's own consumer on the main topic.
@@ -286,7 +279,24 @@ func (b *benchCmd) peer(ctx context.Context, d deps, topic, group string) benchF
 		"--topic", topic, "--dsn", b.DB.DatabaseURL, "--group", group, "--expect", strconv.Itoa(b.PeerEvents))
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, io.Discard
-	if err := cmd.Run(); err != nil {
+	if err := cmd.Start(); err != nil {
+		return skip(fmt.Sprintf("consume.py: %v", err))
+	}
+	// Its high-water mark, read while it runs (it is gone after).
+	var peak atomic.Int64
+	watching := make(chan struct{})
+	go func() {
+		defer close(watching)
+		for cmd.ProcessState == nil {
+			if kib := peakRSS(cmd.Process.Pid); kib > peak.Load() {
+				peak.Store(kib)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	err := cmd.Wait()
+	<-watching
+	if err != nil {
 		return skip(fmt.Sprintf("consume.py: %v", err))
 	}
 	var r struct {
@@ -296,7 +306,7 @@ func (b *benchCmd) peer(ctx context.Context, d deps, topic, group string) benchF
 	if err := json.Unmarshal(bytes.TrimSpace(out.Bytes()), &r); err != nil {
 		return skip(fmt.Sprintf("consume.py printed %q", out.String()))
 	}
-	return benchFigures{Variant: "Peer", Events: r.Messages, Seconds: r.Seconds, PeakRSSKiB: maxRSS(cmd.ProcessState)}
+	return benchFigures{Variant: "Peer", Events: r.Messages, Seconds: r.Seconds, PeakRSSKiB: peak.Load()}
 }
 
 // cleanup removes what the run made: its topics, consumer groups, claims
