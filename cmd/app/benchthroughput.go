@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -40,6 +41,7 @@ type benchCmd struct {
 	PeerPython   string     `name:"peer-python" env:"ONCE_SEEDPEER_PYTHON" help:"Python with the peer's packages. Default: the venv that the seedpeer's setup.sh makes (.dev/seedpeer-venv)."`
 	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: ../shared/bench/seedpeer, else dev/seedpeer."`
 	KeepTopics   bool       `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
+	Rounds       int        `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
 	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,Peer" help:"Run only these variants of the main table (default: all)."`
 }
 
@@ -49,6 +51,9 @@ func (b *benchCmd) Validate() error {
 	}
 	if b.Partitions < 1 || slices.ContainsFunc(b.Sweep, func(p int32) bool { return p < 1 }) {
 		return fmt.Errorf("--partitions and every --sweep count must be at least 1")
+	}
+	if b.Rounds < 1 {
+		return fmt.Errorf("--rounds must be at least 1")
 	}
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
@@ -133,19 +138,29 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		return f
 	}
 
+	// Rounds interleave the variants, so that a slow minute of this noisy
+	// machine does not fall on one of them only; each variant's median
+	// round is reported.
+	rounds := map[string][]benchFigures{}
+	for round := 1; round <= b.Rounds; round++ {
+		for _, v := range benchVariants {
+			if !only(v.name) {
+				continue
+			}
+			line.Set("round %d/%d: measuring %s", round, b.Rounds, v.name)
+			if v.name == "Peer" {
+				group := fmt.Sprintf("%s.peer%d", run, round)
+				groups = append(groups, group)
+				rounds[v.name] = append(rounds[v.name], b.peer(ctx, d, topicOf[b.Partitions], group))
+				continue
+			}
+			rounds[v.name] = append(rounds[v.name], measure(v.name, b.Partitions, b.Events))
+		}
+	}
 	main := map[string]benchFigures{}
-	for _, v := range benchVariants {
-		if !only(v.name) {
-			continue
-		}
-		line.Set("measuring %s", v.name)
-		if v.name == "Peer" {
-			group := run + ".peer"
-			groups = append(groups, group)
-			main[v.name] = b.peer(ctx, d, topicOf[b.Partitions], group)
-			continue
-		}
-		main[v.name] = measure(v.name, b.Partitions, b.Events)
+	spread := map[string]string{}
+	for name, fs := range rounds {
+		main[name], spread[name] = median(fs)
 	}
 	type sweepRow struct {
 		partitions int32
@@ -159,10 +174,10 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	line.Done()
 
 	w := d.stdout
-	fmt.Fprintf(w, "once bench: %d events on %d partitions (sweep: %d events), batch %d; PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n\n",
-		b.Events, b.Partitions, b.SweepEvents, b.BatchSize, server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
+	fmt.Fprintf(w, "once bench: %d events on %d partitions, %d round(s) (sweep: %d events), batch %d; PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n\n",
+		b.Events, b.Partitions, b.Rounds, b.SweepEvents, b.BatchSize, server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
 	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(t, "variant\t events/s\t p50 ms\t p99 ms\t peak RSS MiB\twhat")
+	fmt.Fprintln(t, "variant\t events/s\t rounds\t p50 ms\t p99 ms\t peak RSS MiB\twhat")
 	for _, v := range benchVariants {
 		f, ok := main[v.name]
 		if !ok {
@@ -173,14 +188,14 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			what = fmt.Sprintf(what, b.BatchSize, b.BatchConc)
 		}
 		if f.Skipped != "" {
-			fmt.Fprintf(t, "%s\t%9s\t%7s\t%7s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", what, f.Skipped)
+			fmt.Fprintf(t, "%s\t%9s\t%s\t%7s\t%7s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", "-", what, f.Skipped)
 			continue
 		}
 		lat50, lat99 := fmt.Sprintf("%.2f", f.P50ms), fmt.Sprintf("%.2f", f.P99ms)
 		if v.name == "Peer" || v.name == "L1" {
 			lat50, lat99 = "-", "-"
 		}
-		fmt.Fprintf(t, "%s\t%9.0f\t%7s\t%7s\t%13.0f\t%s\n", v.name, f.rate(), lat50, lat99, float64(f.PeakRSSKiB)/1024, what)
+		fmt.Fprintf(t, "%s\t%9.0f\t%s\t%7s\t%7s\t%13.0f\t%s\n", v.name, f.rate(), spread[v.name], lat50, lat99, float64(f.PeakRSSKiB)/1024, what)
 	}
 	t.Flush()
 
@@ -326,4 +341,18 @@ func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama
 	_, _ = pool.Exec(ctx, `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1`, int64(benchCustomers))
 	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, run+".%")
 	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.revenue WHERE customer_id >= $1`, int64(benchCustomers))
+}
+
+// median is the round with the median rate, and the rates' range ("-" for
+// one round).
+func median(fs []benchFigures) (benchFigures, string) {
+	ok := slices.DeleteFunc(slices.Clone(fs), func(f benchFigures) bool { return f.Skipped != "" })
+	if len(ok) == 0 {
+		return fs[0], "-"
+	}
+	slices.SortFunc(ok, func(a, b benchFigures) int { return cmp.Compare(a.rate(), b.rate()) })
+	if len(ok) == 1 {
+		return ok[0], "-"
+	}
+	return ok[len(ok)/2], fmt.Sprintf("%.0f-%.0f", ok[0].rate(), ok[len(ok)-1].rate())
 }
