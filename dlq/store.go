@@ -166,6 +166,12 @@ type DrainConfig struct {
 	Lease time.Duration
 	// MaxBackoff between two attempts of one letter. Default 30s.
 	MaxBackoff time.Duration
+	// Topics limits the drainer to letters for these dead-letter topics: a
+	// service publishes only to the topics it was configured for (and its
+	// principal may be allowed no others), so letters of another service
+	// sharing the database, or of a topic since renamed, stay parked for
+	// their owner or a person (app dlq list). Empty: every topic.
+	Topics []string
 	// OnPublished is called after a letter reached Kafka. Default: none.
 	OnPublished func(Letter)
 	Logger      *slog.Logger
@@ -219,8 +225,8 @@ const batch = 10
 func (s *Store) DrainOnce(ctx context.Context, cfg DrainConfig) (int, error) {
 	cfg.setDefaults()
 	rows, err := cfg.DB.Query(ctx, `UPDATE `+s.table+` SET next_attempt_at = now() + make_interval(secs => $1), attempts = attempts + 1
-WHERE id IN (SELECT id FROM `+s.table+` WHERE next_attempt_at <= now() ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)
-RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batch)
+WHERE id IN (SELECT id FROM `+s.table+` WHERE next_attempt_at <= now() AND (coalesce(cardinality($3::text[]), 0) = 0 OR topic = ANY($3)) ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)
+RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batch, cfg.Topics)
 	if err != nil {
 		return 0, fmt.Errorf("dlq: take parked letters: %w", err)
 	}

@@ -169,3 +169,32 @@ func TestAnUnreadableLetterHoldsNoOtherUp(t *testing.T) {
 		t.Fatalf("published %d of %d; parked %+v; want every good letter out and the unreadable one parked with its reason", published, len(good), parked)
 	}
 }
+
+// A drainer scoped to its service's topics leaves another service's letters
+// parked and untouched (no attempt counted), and publishes its own.
+func TestADrainerTakesOnlyItsTopics(t *testing.T) {
+	ctx := context.Background()
+	store, _, pool := newStore(t)
+	brokers := testenv.Brokers(t)
+	mine := testenv.Topic(t, brokers, 1)
+	theirs := mine + ".theirs"
+	if err := store.Park(ctx, pool,
+		dlq.Letter{Topic: theirs, Payload: []byte("not mine")},
+		dlq.Letter{Topic: mine, Payload: []byte("mine")},
+	); err != nil {
+		t.Fatal(err)
+	}
+	var published []string
+	cfg := dlq.DrainConfig{DB: pool, Producer: testenv.Producer(t, brokers), Topics: []string{mine},
+		OnPublished: func(l dlq.Letter) { published = append(published, l.Topic) }}
+	if n, err := store.DrainOnce(ctx, cfg); err != nil || n != 1 {
+		t.Fatalf("took %d (%v); want only the letter of its own topic", n, err)
+	}
+	parked, err := store.List(ctx, pool, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(published) != 1 || published[0] != mine || len(parked) != 1 || parked[0].Topic != theirs || parked[0].Attempts != 0 {
+		t.Fatalf("published %v, parked %+v; want %s published and %s parked untried", published, parked, mine, theirs)
+	}
+}

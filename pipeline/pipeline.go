@@ -238,6 +238,7 @@ type Pipeline struct {
 	letters   *dlq.Store
 	outbox    *outbox.Outbox
 	dbs       []DB // distinct databases of the groups, in order of appearance
+	dlqTopics []string
 	closers   []func() error
 }
 
@@ -286,6 +287,7 @@ func New(cfg Config) (*Pipeline, error) {
 	var all []built
 	seen := map[DB]bool{}
 	for _, t := range topics {
+		p.dlqTopics = append(p.dlqTopics, t.dlq)
 		for _, g := range t.groups {
 			sub, h, err := p.buildGroup(t, g, wlog)
 			if err != nil {
@@ -335,7 +337,7 @@ func (p *Pipeline) Run(ctx context.Context) error {
 	}()
 	for _, db := range p.dbs {
 		wg.Go(func() {
-			p.letters.Drain(runCtx, dlq.DrainConfig{DB: db, Producer: p.producer, Logger: p.cfg.Logger})
+			p.letters.Drain(runCtx, dlq.DrainConfig{DB: db, Producer: p.producer, Topics: p.dlqTopics, Logger: p.cfg.Logger})
 		})
 		wg.Go(func() { p.forward(runCtx, db) })
 	}
