@@ -276,7 +276,7 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 	s.t.Helper()
 	args := append([]string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
 		"--groups", "billing,analytics", "--payment-url", s.providerURL, "--payment-api-key", s.account,
-		"--session-timeout", "6s", "--maintenance-interval", "0",
+		"--session-timeout", "6s", "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
 		"--log-level", "debug", "--log-format", "json"}, extra...)
 	return s.startEnv(name, env, args...)
 }

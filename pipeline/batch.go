@@ -28,6 +28,8 @@ import (
 // reaches the claim (dead-lettered at decoding) holds its followers until
 // it is done.
 type batcher struct {
+	topic  string
+	group  string
 	p      *Pipeline
 	idem   *idempotency.Middleware
 	handle func(ctx context.Context, tx pgx.Tx, evs []any) error
@@ -70,8 +72,8 @@ type batchEntry struct {
 	result   chan error // buffered: the batch never waits for its reader
 }
 
-func newBatcher(p *Pipeline, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error, cfg Batch) *batcher {
-	return &batcher{p: p, idem: idem, handle: handle, cfg: cfg,
+func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error, cfg Batch) *batcher {
+	return &batcher{topic: topic, group: group, p: p, idem: idem, handle: handle, cfg: cfg,
 		queues: map[partitionOf]*[]*batchEntry{}, entries: map[string]*batchEntry{}, wake: make(chan struct{}, 1)}
 }
 
@@ -325,6 +327,7 @@ func (b *batcher) commit(ctx context.Context, batch []*batchEntry) {
 	}
 	attemptCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.p.cfg.AttemptTimeout)
 	defer cancel()
+	started := time.Now()
 	results := b.idem.ProcessBatch(attemptCtx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
 		evs := make([]any, len(claimed))
 		for i, msg := range claimed {
@@ -336,6 +339,15 @@ func (b *batcher) commit(ctx context.Context, batch []*batchEntry) {
 		}
 		return b.handle(ctx, tx, evs)
 	})
+	if b.p.cfg.OnBatch != nil {
+		done := BatchDone{Topic: b.topic, Group: b.group, Size: len(batch), Duration: time.Since(started)}
+		for _, err := range results {
+			if errors.Is(err, idempotency.ErrRunAlone) {
+				done.RunAlone++
+			}
+		}
+		b.p.cfg.OnBatch(done)
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	first := map[int32]bool{}

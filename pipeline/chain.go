@@ -232,6 +232,8 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 				}
 				if attempt == 1 {
 					heldSince = time.Now()
+					p.holding(msg, topic, group, heldSince)
+					defer p.released(msg)
 				}
 				if !p.stopped(msg) && !isClosed(revoked) {
 					if p.cfg.OnHeld != nil {

@@ -93,6 +93,8 @@ type Config struct {
 	// OnForwarded is called after an event of a group's outbox reached
 	// Kafka, before its row is acknowledged. Default: none.
 	OnForwarded func(Forwarded)
+	// OnBatch is called after each batch of a batched group. Default: none.
+	OnBatch func(BatchDone)
 
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
@@ -121,6 +123,16 @@ type Held struct {
 type Forwarded struct {
 	Topic string
 	ID    string // the event id the handler gave it
+}
+
+// BatchDone describes one batch of a batched group: the parameters of
+// [Config.OnBatch].
+type BatchDone struct {
+	Topic, Group string
+	// Size: messages in the batch; RunAlone: those it could not decide,
+	// now run one by one (all of them when the batch rolled back).
+	Size, RunAlone int
+	Duration       time.Duration
 }
 
 // DeadLetter describes a dead-lettered message: the parameters of
@@ -239,7 +251,11 @@ type Pipeline struct {
 	outbox    *outbox.Outbox
 	dbs       []DB // distinct databases of the groups, in order of appearance
 	dlqTopics []string
-	closers   []func() error
+	groups    []groupRef
+	holdsMu   sync.Mutex
+	holds     map[*message.Message]holdEntry
+	lagState
+	closers []func() error
 }
 
 // New builds the router's handlers. It connects to Kafka only to make its
@@ -388,6 +404,7 @@ func (p *Pipeline) Close() error {
 		errs = append(errs, c())
 	}
 	p.closers = nil
+	errs = append(errs, p.closeLag())
 	return errors.Join(errs...)
 }
 
@@ -405,6 +422,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	}
 	sub := newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), window, cfg.Logger)
 	p.closers = append(p.closers, sub.Close)
+	p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, sub: sub})
 
 	idem, err := idempotency.New(idempotency.Config{
 		DB:               g.db,
@@ -431,7 +449,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 
 	var batch *batcher
 	if g.handleBatch != nil {
-		batch = newBatcher(p, idem, g.handleBatch, g.batch)
+		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, g.batch)
 		sub.onSend = batch.announce
 		p.batchers = append(p.batchers, batch)
 	}

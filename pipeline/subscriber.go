@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -36,6 +38,11 @@ type subscriber struct {
 	// the router, in its partition's order (a batched group's ordering).
 	onSend func(*message.Message)
 	log    *slog.Logger
+
+	// joined: a session has begun since Subscribe; assigned: the current
+	// session's partitions (nil between sessions).
+	joined   atomic.Bool
+	assigned atomic.Pointer[[]int32]
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -118,8 +125,21 @@ type claimHandler struct {
 	out chan<- *message.Message
 }
 
-func (h *claimHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
-func (h *claimHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+func (h *claimHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	var parts []int32
+	for _, ps := range sess.Claims() {
+		parts = append(parts, ps...)
+	}
+	slices.Sort(parts)
+	h.s.assigned.Store(&parts)
+	h.s.joined.Store(true)
+	return nil
+}
+
+func (h *claimHandler) Cleanup(sarama.ConsumerGroupSession) error {
+	h.s.assigned.Store(nil)
+	return nil
+}
 
 // ConsumeClaim hands out a partition's messages, up to the window at once,
 // and marks each offset once its message and every one before it are

@@ -17,6 +17,11 @@ type quietLogger struct {
 	log *slog.Logger
 }
 
+// WatermillLogger is the pipeline's Watermill logger over log: Watermill's
+// info lines at debug level, its trace and debug lines dropped before their
+// fields are built. For a team's own router.
+func WatermillLogger(log *slog.Logger) watermill.LoggerAdapter { return newWatermillLogger(log) }
+
 func newWatermillLogger(log *slog.Logger) watermill.LoggerAdapter {
 	return quietLogger{
 		LoggerAdapter: watermill.NewSlogLoggerWithLevelMapping(log, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug}),

@@ -61,7 +61,9 @@ type Config struct {
 	// Now is the clock, for tests that move time. Default: the database's
 	// clock, the one consumers judge an event's age by; the maintenance
 	// host's own clock may be minutes off it.
-	Now    func() time.Time
+	Now func() time.Time
+	// OnPass is told of every pass of [Loop] (for metrics). Default: none.
+	OnPass func(Report, error)
 	Logger *slog.Logger
 }
 
@@ -232,8 +234,12 @@ func Loop(ctx context.Context, cfg Config, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		if _, err := Run(ctx, cfg); err != nil && ctx.Err() == nil {
+		rep, err := Run(ctx, cfg)
+		if err != nil && ctx.Err() == nil {
 			cfg.Logger.Error("retention pass failed", "err", err)
+		}
+		if cfg.OnPass != nil && ctx.Err() == nil {
+			cfg.OnPass(rep, err)
 		}
 		select {
 		case <-ctx.Done():
@@ -408,6 +414,13 @@ func FirstIDAt(t time.Time) uuid.UUID {
 	binary.BigEndian.PutUint64(ms[:], uint64(t.UnixMilli()))
 	copy(id[:6], ms[2:])
 	return id
+}
+
+// TimeOf is the time in a UUIDv7's first 48 bits, to the millisecond.
+func TimeOf(id uuid.UUID) time.Time {
+	var ms [8]byte
+	copy(ms[2:], id[:6])
+	return time.UnixMilli(int64(binary.BigEndian.Uint64(ms[:])))
 }
 
 // DayRange returns the ids of one UTC day: [lo, hi).

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/demo"
 	"github.com/once-dev/once/service/migrations"
 )
@@ -13,6 +14,7 @@ import (
 type demoCmd struct {
 	Kafka kafkaSettings `embed:""`
 	DB    dbSettings    `embed:""`
+	Ops   opsSettings   `embed:""`
 
 	Orders         int           `name:"orders" default:"10000" help:"Orders to confirm."`
 	RepublishShare float64       `name:"republish-share" default:"0.05" help:"Share of events a producer re-publishes."`
@@ -62,11 +64,19 @@ func (c *demoCmd) Run(ctx context.Context, d deps) error {
 		// counted in the summary instead of logged line by line.
 		log = slog.New(newLevelFilter(d.log.Handler(), slog.LevelError))
 	}
+	o, err := newOps(c.Ops)
+	if err != nil {
+		return err
+	}
+	if err := o.serve(ctx, d); err != nil {
+		return err
+	}
 	fmt.Fprintf(d.stderr, "demo: %d orders through billing and analytics, some cancelled, with duplicates from every source\n", c.Orders)
 	s, err := demo.Run(ctx, demo.Config{
 		DB: pool, ProviderDB: providerPool, Brokers: c.Kafka.Brokers, KafkaVersion: c.Kafka.KafkaVersion, Partitions: c.Kafka.Partitions,
 		Orders: c.Orders, RepublishShare: c.RepublishShare, DeclineShare: c.DeclineShare, PoisonMessages: c.Poison,
 		ResetRate: c.ResetRate, CancelShare: c.CancelShare, Timeout: c.Timeout, Progress: d.stderr, Logger: log,
+		Instrument: o.metrics.Instrument, Watch: func(p *pipeline.Pipeline) { o.watch(ctx, p, pool) }, OnPaymentAttempt: o.paymentAttempt,
 	})
 	if err != nil {
 		return err

@@ -22,8 +22,8 @@ type paymentSettings struct {
 	KeyRetention time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long the provider keeps idempotency keys (Stripe: 24h)."`
 }
 
-func (p *paymentSettings) client() (*payment.Client, error) {
-	c, err := payment.NewClient(payment.ClientConfig{BaseURL: p.URL, APIKey: p.APIKey, RequestTimeout: p.Timeout, MaxAttempts: p.Attempts})
+func (p *paymentSettings) client(onAttempt func(payment.Attempt)) (*payment.Client, error) {
+	c, err := payment.NewClient(payment.ClientConfig{BaseURL: p.URL, APIKey: p.APIKey, RequestTimeout: p.Timeout, MaxAttempts: p.Attempts, OnAttempt: onAttempt})
 	if err != nil {
 		return nil, fmt.Errorf("--payment-url (PAYMENT_URL) or its options: %w", err)
 	}
@@ -34,7 +34,7 @@ func (p *paymentSettings) Validate() error {
 	if p.Timeout <= 0 || p.Attempts < 1 || p.KeyRetention <= 0 {
 		return errors.New("--payment-timeout and --payment-key-retention must be positive, --payment-attempts at least 1")
 	}
-	_, err := p.client()
+	_, err := p.client(nil)
 	return err
 }
 

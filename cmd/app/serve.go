@@ -26,6 +26,7 @@ import (
 type serveCmd struct {
 	Kafka kafkaSettings `embed:""`
 	DB    dbSettings    `embed:""`
+	Ops   opsSettings   `embed:""`
 
 	Payment         paymentSettings   `embed:"" prefix:"payment-"`
 	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
@@ -35,6 +36,7 @@ type serveCmd struct {
 	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
 	CommitInt      time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
 	AttemptTimeout time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
+	DrainTimeout   time.Duration `name:"drain-timeout" env:"ONCE_DRAIN_TIMEOUT" default:"30s" help:"On SIGTERM, how long messages in flight may take to finish (and their offsets to be committed) before the process leaves anyway; what did not finish is delivered again."`
 	HoldMax        time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
 	Migrate        bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
@@ -65,6 +67,7 @@ type groupDeps struct {
 	name    string // with the suffix
 	db      *pgxpool.Pool
 	intents *pgxpool.Pool // a small pool of the same database, for work outside the claim's transaction
+	ops     *ops
 }
 
 // handlers lists the consumer groups this binary can run, and adds each to
@@ -77,7 +80,7 @@ var handlers = map[string]func(groupDeps, *topics) error{
 		return nil
 	},
 	"billing": func(d groupDeps, t *topics) error {
-		client, err := d.s.Payment.client()
+		client, err := d.s.Payment.client(d.ops.paymentAttempt)
 		if err != nil {
 			return err
 		}
@@ -123,6 +126,9 @@ func (s *serveCmd) Validate() error {
 	}
 	if s.CommitInt <= 0 {
 		return fmt.Errorf("--commit-interval (ONCE_COMMIT_INTERVAL) must be positive")
+	}
+	if s.DrainTimeout <= 0 {
+		return fmt.Errorf("--drain-timeout (ONCE_DRAIN_TIMEOUT) must be positive")
 	}
 	if s.HoldMax < 100*time.Millisecond {
 		return fmt.Errorf("--hold-max-backoff (ONCE_HOLD_MAX_BACKOFF) must be at least 100ms, got %s", s.HoldMax)
@@ -189,6 +195,14 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
+	o, err := newOps(s.Ops)
+	if err != nil {
+		return err
+	}
+	// Alive from the start; ready once consuming.
+	if err := o.serve(ctx, d); err != nil {
+		return err
+	}
 	pool, err := s.DB.open(ctx, d, s.Migrate)
 	if err != nil {
 		return err
@@ -227,7 +241,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 			defer p.Close()
 			side[db] = p
 		}
-		if err := handlers[g](groupDeps{s: s, name: g + s.GroupSuffix, db: db, intents: side[db]}, t); err != nil {
+		if err := handlers[g](groupDeps{s: s, name: g + s.GroupSuffix, db: db, intents: side[db], ops: o}, t); err != nil {
 			return err
 		}
 		if g == "billing" {
@@ -246,7 +260,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	}
 
 	var commits, forwards atomic.Int64
-	p, err := pipeline.New(pipeline.Config{
+	cfg := pipeline.Config{
 		Brokers:          s.Kafka.Brokers,
 		KafkaVersion:     s.Kafka.KafkaVersion,
 		DB:               pool,
@@ -260,6 +274,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		AttemptTimeout:   s.AttemptTimeout,
 		Logger:           d.log,
 		SessionTimeout:   s.SessionTimeout,
+		CloseTimeout:     s.DrainTimeout,
 		OnResult: func(r idempotency.Result) {
 			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
 			if r.Outcome == idempotency.Processed && s.KillAfterCommit > 0 && commits.Add(1) == int64(s.KillAfterCommit) {
@@ -275,7 +290,11 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 				killHere(d, "e2e: killing this process between the outbox publish and its acknowledgement", "event_id", f.ID, "topic", f.Topic)
 			}
 		},
-	})
+	}
+	if err := o.metrics.Instrument(&cfg); err != nil {
+		return err
+	}
+	p, err := pipeline.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -307,7 +326,10 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		rcfg.DB = db
 		// A failed pass (a read-only database during a failover) must not
 		// stop a restarted instance from consuming: the next pass catches up.
-		if _, err := retention.Run(ctx, rcfg); err != nil {
+		rcfg.OnPass = o.metrics.RetentionPass
+		rep, err := retention.Run(ctx, rcfg)
+		o.metrics.RetentionPass(rep, err)
+		if err != nil {
 			next := "the next pass retries in " + s.MaintenanceInterval.String()
 			if s.MaintenanceInterval == 0 {
 				next = "app maintain must run"
@@ -336,6 +358,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 			}
 		})
 	}
+	o.watch(ctx, p, pools.all...)
 	go func() {
 		<-p.Running()
 		d.log.Info("serving", "topics", []string{s.Kafka.confirmed(), s.Kafka.cancelled(), s.Kafka.payments()}, "groups", s.Groups, "commit_mode", s.CommitMode)

@@ -64,11 +64,13 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Messag
 func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, h BatchHandler) []error {
 	start := time.Now()
 	errs := make([]error, len(msgs))
+	var claim, handle, commit time.Duration
 	report := func(i int, key uuid.UUID, o Outcome, err error) {
 		errs[i] = err
 		if m.cfg.OnResult != nil {
 			m.cfg.OnResult(Result{Outcome: o, EventID: key, ConsumerGroup: m.cfg.ConsumerGroup,
-				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), Duration: time.Since(start), Err: err})
+				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), Duration: time.Since(start), Err: err,
+				Claim: claim, Handle: handle, Commit: commit})
 		}
 	}
 
@@ -150,6 +152,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", rows.Err())
 		return runAlone()
 	}
+	claim = time.Since(start)
 
 	// Claimed before: a duplicate whatever its age, or another payload.
 	var unclaimed []uuid.UUID
@@ -225,7 +228,10 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	}
 
 	if len(claimed) > 0 {
-		if err := h(ContextWithTx(ctx, tx), tx, claimed); err != nil {
+		handling := time.Now()
+		err := h(ContextWithTx(ctx, tx), tx, claimed)
+		handle = time.Since(handling)
+		if err != nil {
 			m.cfg.Logger.Info("batch: the handler failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup,
 				"messages", len(msgs), "claimed", len(claimed), "err", err)
 			return m.undecide(errs, claimedIdx)
@@ -234,7 +240,10 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	finishCtx, finish := m.finishContext(ctx)
 	defer finish()
 	committed = true
-	if err := tx.Commit(finishCtx); err != nil {
+	committing := time.Now()
+	err = tx.Commit(finishCtx)
+	commit = time.Since(committing)
+	if err != nil {
 		// Whether it took effect is unknown; each message's own run finds
 		// its claim or makes it.
 		m.cfg.Logger.Warn("batch: commit failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)

@@ -276,6 +276,10 @@ type Result struct {
 	Topic         string // the topic the message was consumed from, if known
 	Duration      time.Duration
 	Err           error // nil for Processed and Duplicate
+	// The phases of the last attempt's transaction (its batch's, for a
+	// message decided in a batch): begin and claim, the handler, the
+	// commit. Zero for a phase the attempt did not reach.
+	Claim, Handle, Commit time.Duration
 }
 
 // Middleware is the idempotent-consumer middleware of one consumer group.
@@ -338,7 +342,7 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		sum := sha256.Sum256(msg.Payload)
 
 		for serializationRetries := 0; ; serializationRetries++ {
-			outcome, produced, err := m.attempt(msg, h, key, sum[:])
+			outcome, produced, err := m.attempt(msg, h, key, sum[:], &res)
 			if err != nil && isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries {
 				continue
 			}
@@ -382,7 +386,9 @@ func uuidV7Time(id uuid.UUID) time.Time {
 // attempt runs one transaction: claim, then either skip or run the handler and
 // commit. The deferred rollback also covers a panicking handler, so a panic
 // leaves no claim behind before it unwinds to the recoverer.
-func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sum []byte) (_ Outcome, _ []*message.Message, err error) {
+func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sum []byte, res *Result) (_ Outcome, _ []*message.Message, err error) {
+	res.Claim, res.Handle, res.Commit = 0, 0, 0
+	began := time.Now()
 	msgCtx := msg.Context()
 	stmtCtx, cancel := context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
@@ -402,6 +408,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
 	err = tx.QueryRow(stmtCtx, m.claimSQL, key, m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
+	res.Claim = time.Since(began)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
 		if err := tx.QueryRow(stmtCtx, m.storedSQL, key, m.cfg.ConsumerGroup).Scan(&stored); err != nil {
@@ -432,10 +439,12 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	}
 
 	msg.SetContext(ContextWithTx(msgCtx, tx))
+	handling := time.Now()
 	produced, err := func() ([]*message.Message, error) {
 		defer msg.SetContext(msgCtx) // the transaction must not outlive this attempt
 		return h(msg)
 	}()
+	res.Handle = time.Since(handling)
 	var rejected rejectAfterCommit
 	isRejection := errors.As(err, &rejected)
 	if err != nil && !isRejection {
@@ -453,7 +462,10 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	ctx, cancel := m.finishContext(msgCtx)
 	defer cancel()
 	done = true
-	if err := tx.Commit(ctx); err != nil {
+	committing := time.Now()
+	err = tx.Commit(ctx)
+	res.Commit = time.Since(committing)
+	if err != nil {
 		// Whether a commit that lost its connection took effect is unknown;
 		// either way the next attempt decides correctly: it finds the claim
 		// (skip) or does not (process).

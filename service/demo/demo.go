@@ -59,6 +59,14 @@ type Config struct {
 
 	Progress io.Writer // a live status line; nil for none
 	Logger   *slog.Logger
+
+	// Operations hooks (metrics, readiness), each optional: Instrument
+	// changes each pipeline's configuration before it is made, Watch is
+	// given each pipeline once made, OnPaymentAttempt is the payment
+	// client's OnAttempt.
+	Instrument       func(*pipeline.Config) error
+	Watch            func(*pipeline.Pipeline)
+	OnPaymentAttempt func(payment.Attempt)
 }
 
 func (c *Config) setDefaults() {
@@ -275,7 +283,7 @@ func (r *run) startProvider(ctx context.Context) (stop func(), err error) {
 	}
 	srv := &http.Server{Handler: provider, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
-	r.client, err = payment.NewClient(payment.ClientConfig{BaseURL: "http://" + ln.Addr().String(), APIKey: "acct_demo_" + r.id})
+	r.client, err = payment.NewClient(payment.ClientConfig{BaseURL: "http://" + ln.Addr().String(), APIKey: "acct_demo_" + r.id, OnAttempt: r.cfg.OnPaymentAttempt})
 	if err != nil {
 		return nil, err
 	}
@@ -320,7 +328,7 @@ func (r *run) startAnalytics(ctx context.Context) (stop func(), err error) {
 }
 
 func (r *run) startPipeline(ctx context.Context, topics ...pipeline.Binding) (stop func(), err error) {
-	p, err := pipeline.New(pipeline.Config{
+	cfg := pipeline.Config{
 		Brokers:      r.cfg.Brokers,
 		KafkaVersion: r.cfg.KafkaVersion,
 		DB:           r.cfg.DB,
@@ -330,9 +338,18 @@ func (r *run) startPipeline(ctx context.Context, topics ...pipeline.Binding) (st
 		OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, d.Topic, "dead_lettered") },
 		OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, d.Topic, "delivered") },
 		OnForwarded:  func(f pipeline.Forwarded) { r.counts.add("", f.Topic, "forwarded") },
-	})
+	}
+	if r.cfg.Instrument != nil {
+		if err := r.cfg.Instrument(&cfg); err != nil {
+			return nil, err
+		}
+	}
+	p, err := pipeline.New(cfg)
 	if err != nil {
 		return nil, err
+	}
+	if r.cfg.Watch != nil {
+		r.cfg.Watch(p)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})

@@ -160,6 +160,20 @@ type ClientConfig struct {
 	// InitialBackoff doubles per attempt up to MaxBackoff. Defaults 100ms, 2s.
 	InitialBackoff time.Duration
 	MaxBackoff     time.Duration
+	// OnAttempt is told of every HTTP attempt (for metrics). Default: none.
+	OnAttempt func(Attempt)
+}
+
+// Attempt describes one HTTP attempt of a [Client]: the parameters of
+// [ClientConfig.OnAttempt].
+type Attempt struct {
+	Path     string // "/v1/charges", "/v1/refunds"
+	Duration time.Duration
+	// Outcome: "ok", "replayed" (a stored answer for the key), "declined"
+	// (the provider's permanent verdict), "retryable" (an answer worth
+	// another try: 5xx, 401, 409, 429...), "network" (no answer).
+	Outcome string
+	Status  int // 0 without an answer
 }
 
 func (c *ClientConfig) setDefaults() {
@@ -253,6 +267,25 @@ func (c *Client) post(ctx context.Context, path string, body []byte, key string,
 }
 
 func (c *Client) attempt(ctx context.Context, path string, body []byte, key string, out any) (replayed bool, err error) {
+	if c.cfg.OnAttempt != nil {
+		start := time.Now()
+		defer func() {
+			a := Attempt{Path: path, Duration: time.Since(start), Outcome: "network"}
+			var perr *Error
+			switch {
+			case err == nil && replayed:
+				a.Outcome = "replayed"
+			case err == nil:
+				a.Outcome = "ok"
+			case errors.As(err, &perr):
+				a.Status, a.Outcome = perr.StatusCode, "retryable"
+				if perr.Permanent() {
+					a.Outcome = "declined"
+				}
+			}
+			c.cfg.OnAttempt(a)
+		}()
+	}
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.RequestTimeout)
 	defer cancel()
 	r, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+path, bytes.NewReader(body))

@@ -1,0 +1,302 @@
+// Package metrics exports a pipeline's behaviour to Prometheus: every
+// message's outcome per topic and consumer group, the claim's phases, batch
+// sizes, consumer lag read from Kafka, held messages, the claim table's
+// partitions and oldest claim, dead letters waiting for Kafka, and
+// retention passes; and Watermill's own router metrics beside them.
+//
+// Wire it before the pipeline is made, and watch the pipeline once it is:
+//
+//	m := metrics.New(registry)
+//	m.Instrument(&cfg)            // chains cfg's hooks; adds Watermill's router metrics
+//	p, err := pipeline.New(cfg)
+//	go m.Watch(ctx, p, metrics.Stores{{DB: pool}}, 15*time.Second)
+package metrics
+
+import (
+	"context"
+	"log/slog"
+	"strconv"
+	"time"
+
+	wmetrics "github.com/ThreeDotsLabs/watermill/components/metrics"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/schema"
+)
+
+// Namespace prefixes every metric of this package.
+const Namespace = "once"
+
+// Outcomes of once_messages_total: the idempotency outcomes, and what the
+// pipeline did with a failed attempt.
+const (
+	OutcomeHeld         = "held"          // an attempt failed for the environment; the message is held and retried
+	OutcomeDeadLettered = "dead_lettered" // the message's own fault; its letter is committed
+)
+
+// Metrics holds the collectors. Make one per process with [New].
+type Metrics struct {
+	reg prometheus.Registerer
+
+	messages                          *prometheus.CounterVec
+	claimSeconds, handlerSeconds      *prometheus.HistogramVec
+	commitSeconds                     *prometheus.HistogramVec
+	batchSize                         *prometheus.HistogramVec
+	batchRunAlone                     *prometheus.CounterVec
+	forwarded                         *prometheus.CounterVec
+	lag, joined, assigned             *prometheus.GaugeVec
+	held, oldestHeld                  *prometheus.GaugeVec
+	claimPartitions, oldestClaimAge   *prometheus.GaugeVec
+	parkedLetters, oldestParkedLetter *prometheus.GaugeVec
+	watchErrors                       *prometheus.CounterVec
+	retentionPasses                   *prometheus.CounterVec
+	retentionLastSuccess              prometheus.Gauge
+}
+
+// Buckets of the claim's phases: a claim takes about a millisecond on a
+// healthy database, a commit with fsync a few.
+var phaseBuckets = []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+
+// New registers the collectors with reg.
+func New(reg prometheus.Registerer) (*Metrics, error) {
+	tg := []string{"topic", "group"}
+	m := &Metrics{
+		reg: reg,
+		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "messages_total",
+			Help: "Messages by outcome: processed, duplicate, payload_mismatch, rejected, outside_horizon, failed (an invalid key), held (an attempt failed for the environment), dead_lettered."}, append(tg, "outcome")),
+		claimSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: Namespace, Name: "claim_seconds",
+			Help: "Begin and claim of the attempt that decided a message (its batch's, when batched).", Buckets: phaseBuckets}, tg),
+		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: Namespace, Name: "handler_seconds",
+			Help: "The handler inside the claim's transaction, for first claims.", Buckets: phaseBuckets}, tg),
+		commitSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: Namespace, Name: "commit_seconds",
+			Help: "The commit of the claim and the effect.", Buckets: phaseBuckets}, tg),
+		batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: Namespace, Name: "batch_size",
+			Help: "Messages per batch of a batched group.", Buckets: []float64{1, 2, 5, 10, 20, 50, 100, 200, 500}}, tg),
+		batchRunAlone: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "batch_run_alone_total",
+			Help: "Messages a batch could not decide (it rolled back, or a duplicate in it), run one by one."}, tg),
+		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "outbox_forwarded_total",
+			Help: "Events of the consumer outbox that reached Kafka."}, []string{"topic"}),
+		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag",
+			Help: "Messages not yet committed by the group: the partition's high watermark minus the group's committed offset, read from Kafka."}, append(tg, "partition")),
+		joined: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_joined",
+			Help: "1 once the group has joined its consumer group in this process."}, tg),
+		assigned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_partitions",
+			Help: "Partitions assigned to this process in the group's current session."}, tg),
+		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "held_messages",
+			Help: "Messages held now because the environment failed their attempts."}, tg),
+		oldestHeld: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "oldest_held_seconds",
+			Help: "How long the oldest message held now has been held (0: none)."}, tg),
+		claimPartitions: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "claim_partitions",
+			Help: "Partitions of the claim table (daily ones and the default)."}, []string{"store"}),
+		oldestClaimAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "oldest_claim_age_seconds",
+			Help: "Age of the oldest event still claimed, by its UUIDv7 time: retention keeps it near the dedup retention."}, []string{"store"}),
+		parkedLetters: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "dead_letters_parked",
+			Help: "Dead letters committed in the database and not yet on their dead-letter topic."}, []string{"store"}),
+		oldestParkedLetter: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "oldest_parked_dead_letter_seconds",
+			Help: "Age of the oldest dead letter not yet on its topic (0: none)."}, []string{"store"}),
+		watchErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "watch_errors_total",
+			Help: "Failed reads of the watcher (Kafka lag, the claim table)."}, []string{"source"}),
+		retentionPasses: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "retention_passes_total",
+			Help: "Retention passes by result: ok or failed."}, []string{"result"}),
+		retentionLastSuccess: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: Namespace, Name: "retention_last_success_timestamp_seconds",
+			Help: "When a retention pass last succeeded (Unix time)."}),
+	}
+	for _, c := range []prometheus.Collector{m.messages, m.claimSeconds, m.handlerSeconds, m.commitSeconds, m.batchSize, m.batchRunAlone,
+		m.forwarded, m.lag, m.joined, m.assigned, m.held, m.oldestHeld, m.claimPartitions, m.oldestClaimAge, m.parkedLetters,
+		m.oldestParkedLetter, m.watchErrors, m.retentionPasses, m.retentionLastSuccess} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// Instrument chains the metrics into cfg's hooks (the hooks already there
+// still run first), and adds Watermill's router metrics (namespace
+// once_watermill) to cfg.Router, which it makes when cfg has none.
+func (m *Metrics) Instrument(cfg *pipeline.Config) error {
+	onResult := cfg.OnResult
+	cfg.OnResult = func(r idempotency.Result) {
+		if onResult != nil {
+			onResult(r)
+		}
+		m.Result(r)
+	}
+	onHeld := cfg.OnHeld
+	cfg.OnHeld = func(h pipeline.Held) {
+		if onHeld != nil {
+			onHeld(h)
+		}
+		m.messages.WithLabelValues(h.Topic, h.Group, OutcomeHeld).Inc()
+	}
+	onDeadLetter := cfg.OnDeadLetter
+	cfg.OnDeadLetter = func(d pipeline.DeadLetter) {
+		if onDeadLetter != nil {
+			onDeadLetter(d)
+		}
+		m.messages.WithLabelValues(d.Topic, d.Group, OutcomeDeadLettered).Inc()
+	}
+	onBatch := cfg.OnBatch
+	cfg.OnBatch = func(b pipeline.BatchDone) {
+		if onBatch != nil {
+			onBatch(b)
+		}
+		m.batchSize.WithLabelValues(b.Topic, b.Group).Observe(float64(b.Size))
+		m.batchRunAlone.WithLabelValues(b.Topic, b.Group).Add(float64(b.RunAlone))
+	}
+	onForwarded := cfg.OnForwarded
+	cfg.OnForwarded = func(f pipeline.Forwarded) {
+		if onForwarded != nil {
+			onForwarded(f)
+		}
+		m.forwarded.WithLabelValues(f.Topic).Inc()
+	}
+	if cfg.Router == nil {
+		logger := cfg.Logger
+		if logger == nil {
+			logger = slog.Default()
+		}
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, pipeline.WatermillLogger(logger))
+		if err != nil {
+			return err
+		}
+		cfg.Router = r
+	}
+	wmetrics.NewPrometheusMetricsBuilder(m.reg, Namespace, "watermill").AddPrometheusRouterMetrics(cfg.Router)
+	return nil
+}
+
+// Result counts one idempotency outcome; the Failed attempts that the
+// pipeline holds or dead-letters are counted by those hooks instead, so
+// that every message is counted once per decision.
+func (m *Metrics) Result(r idempotency.Result) {
+	if r.Outcome == idempotency.Failed && r.EventID != [16]byte{} {
+		return
+	}
+	m.messages.WithLabelValues(r.Topic, r.ConsumerGroup, r.Outcome.String()).Inc()
+	if r.Claim > 0 {
+		m.claimSeconds.WithLabelValues(r.Topic, r.ConsumerGroup).Observe(r.Claim.Seconds())
+	}
+	if r.Handle > 0 {
+		m.handlerSeconds.WithLabelValues(r.Topic, r.ConsumerGroup).Observe(r.Handle.Seconds())
+	}
+	if r.Commit > 0 {
+		m.commitSeconds.WithLabelValues(r.Topic, r.ConsumerGroup).Observe(r.Commit.Seconds())
+	}
+}
+
+// RetentionPass counts a retention pass: give it as retention.Config.OnPass.
+func (m *Metrics) RetentionPass(_ retention.Report, err error) {
+	if err != nil {
+		m.retentionPasses.WithLabelValues("failed").Inc()
+		return
+	}
+	m.retentionPasses.WithLabelValues("ok").Inc()
+	m.retentionLastSuccess.SetToCurrentTime()
+}
+
+// Store is a database the pipeline's groups keep claims and dead letters
+// in, as package schema made it.
+type Store struct {
+	// Name labels its metrics. Default: "default".
+	Name   string
+	DB     pipeline.DB
+	Schema schema.Config
+}
+
+// Stores are the databases [Metrics.Watch] reads.
+type Stores []Store
+
+// Watch refreshes the gauges that are read rather than counted (consumer
+// lag from Kafka, the pipeline's status, the claim tables and parked dead
+// letters) every interval until ctx ends. A failed read keeps the last
+// values and counts once_watch_errors_total.
+func (m *Metrics) Watch(ctx context.Context, p *pipeline.Pipeline, stores Stores, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		m.refresh(ctx, p, stores, interval)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stores, timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for _, s := range p.Status() {
+		joined := 0.0
+		if s.Joined {
+			joined = 1
+		}
+		m.joined.WithLabelValues(s.Topic, s.Group).Set(joined)
+		m.assigned.WithLabelValues(s.Topic, s.Group).Set(float64(len(s.Partitions)))
+		m.held.WithLabelValues(s.Topic, s.Group).Set(float64(s.Held))
+		m.oldestHeld.WithLabelValues(s.Topic, s.Group).Set(s.OldestHeld.Seconds())
+	}
+	lags, err := p.Lag(ctx)
+	if err != nil {
+		m.watchErrors.WithLabelValues("kafka").Inc()
+	}
+	for _, l := range lags {
+		m.lag.WithLabelValues(l.Topic, l.Group, strconv.Itoa(int(l.Partition))).Set(float64(l.Lag))
+	}
+	for _, s := range stores {
+		if err := m.readStore(ctx, s); err != nil {
+			m.watchErrors.WithLabelValues("postgres").Inc()
+		}
+	}
+}
+
+func (m *Metrics) readStore(ctx context.Context, s Store) error {
+	name := s.Name
+	if name == "" {
+		name = "default"
+	}
+	names := s.Schema
+	if names.Schema == "" {
+		names.Schema = schema.DefaultSchema
+	}
+	if names.ClaimTable == "" {
+		names.ClaimTable = schema.DefaultClaimTable
+	}
+	if names.DeadLetters == "" {
+		names.DeadLetters = "once_dead_letter"
+	}
+	claims := pgx.Identifier{names.Schema, names.ClaimTable}.Sanitize()
+	letters := pgx.Identifier{names.Schema, names.DeadLetters}.Sanitize()
+	var partitions int64
+	var oldest *[16]byte
+	var parked int64
+	var parkedAge float64
+	// The oldest event id by the primary key's order: an index probe, not
+	// a scan (ids are UUIDv7, their order is their time's).
+	rows, err := s.DB.Query(ctx, `SELECT
+  (SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass($1)),
+  (SELECT event_id FROM `+claims+` ORDER BY event_id LIMIT 1),
+  (SELECT count(*) FROM `+letters+`),
+  (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM `+letters+`)`, claims)
+	if err != nil {
+		return err
+	}
+	if _, err := pgx.ForEachRow(rows, []any{&partitions, &oldest, &parked, &parkedAge}, func() error { return nil }); err != nil {
+		return err
+	}
+	m.claimPartitions.WithLabelValues(name).Set(float64(partitions))
+	age := 0.0
+	if oldest != nil {
+		age = time.Since(retention.TimeOf(*oldest)).Seconds()
+	}
+	m.oldestClaimAge.WithLabelValues(name).Set(age)
+	m.parkedLetters.WithLabelValues(name).Set(float64(parked))
+	m.oldestParkedLetter.WithLabelValues(name).Set(parkedAge)
+	return nil
+}

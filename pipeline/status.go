@@ -1,0 +1,176 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// GroupStatus is what one consumer group of one topic is doing now: the
+// parameters of readiness checks and of the metrics that watch a pipeline.
+type GroupStatus struct {
+	Topic, Group string
+	// Joined: the group has had a consumer-group session since Run began
+	// (a rebalance in progress does not unset it).
+	Joined bool
+	// Partitions assigned to this process in the current session (none
+	// between two sessions).
+	Partitions []int32
+	// Held: messages held now because the environment failed them, and
+	// how long the oldest of them has been held.
+	Held       int
+	OldestHeld time.Duration
+}
+
+// Status reports every consumer group of the pipeline, in configuration
+// order.
+func (p *Pipeline) Status() []GroupStatus {
+	now := time.Now()
+	p.holdsMu.Lock()
+	held := map[[2]string][]time.Time{}
+	for _, h := range p.holds {
+		k := [2]string{h.topic, h.group}
+		held[k] = append(held[k], h.since)
+	}
+	p.holdsMu.Unlock()
+	out := make([]GroupStatus, 0, len(p.groups))
+	for _, g := range p.groups {
+		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.sub.joined.Load()}
+		if parts := g.sub.assigned.Load(); parts != nil {
+			s.Partitions = slices.Clone(*parts)
+		}
+		for _, since := range held[[2]string{g.topic, g.group}] {
+			s.Held++
+			s.OldestHeld = max(s.OldestHeld, now.Sub(since))
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// groupRef is a consumer group's subscriber, for Status and Lag.
+type groupRef struct {
+	topic, group string
+	sub          *subscriber
+}
+
+// holdEntry is a message held now (see Pipeline.hold).
+type holdEntry struct {
+	topic, group string
+	since        time.Time
+}
+
+func (p *Pipeline) holding(msg *message.Message, topic, group string, since time.Time) {
+	p.holdsMu.Lock()
+	defer p.holdsMu.Unlock()
+	if p.holds == nil {
+		p.holds = map[*message.Message]holdEntry{}
+	}
+	p.holds[msg] = holdEntry{topic: topic, group: group, since: since}
+}
+
+func (p *Pipeline) released(msg *message.Message) {
+	p.holdsMu.Lock()
+	defer p.holdsMu.Unlock()
+	delete(p.holds, msg)
+}
+
+// PartitionLag is a consumer group's position in one partition.
+type PartitionLag struct {
+	Topic, Group string
+	Partition    int32
+	// Committed is the group's committed offset, -1 when it has none yet;
+	// HighWatermark the offset the next message will get.
+	Committed, HighWatermark int64
+	// Lag: messages not yet committed by the group (from the partition's
+	// oldest offset when it has committed none).
+	Lag int64
+}
+
+// Lag reads every group's committed offsets and the topics' high watermarks
+// from Kafka. It holds its own Kafka client, made on first use and closed
+// with the pipeline.
+func (p *Pipeline) Lag(ctx context.Context) ([]PartitionLag, error) {
+	p.lagMu.Lock()
+	defer p.lagMu.Unlock()
+	select {
+	case <-p.stopping:
+		return nil, errors.New("pipeline: stopped")
+	default:
+	}
+	if p.lagClient == nil {
+		client, err := sarama.NewClient(p.cfg.Brokers, PublisherSaramaConfig(p.version))
+		if err != nil {
+			return nil, fmt.Errorf("pipeline: kafka client for lag on %v: %w", p.cfg.Brokers, err)
+		}
+		admin, err := sarama.NewClusterAdminFromClient(client)
+		if err != nil {
+			_ = client.Close()
+			return nil, fmt.Errorf("pipeline: kafka admin for lag: %w", err)
+		}
+		p.lagClient, p.lagAdmin = client, admin
+	}
+	client, admin := p.lagClient, p.lagAdmin
+	var out []PartitionLag
+	var errs []error
+	for _, g := range p.groups {
+		if ctx.Err() != nil {
+			return out, ctx.Err()
+		}
+		parts, err := client.Partitions(g.topic)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: partitions: %w", g.topic, err))
+			continue
+		}
+		offsets, err := admin.ListConsumerGroupOffsets(g.group, map[string][]int32{g.topic: parts})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("group %s: committed offsets: %w", g.group, err))
+			continue
+		}
+		for _, part := range parts {
+			hwm, err := client.GetOffset(g.topic, part, sarama.OffsetNewest)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s/%d: high watermark: %w", g.topic, part, err))
+				continue
+			}
+			l := PartitionLag{Topic: g.topic, Group: g.group, Partition: part, Committed: -1, HighWatermark: hwm}
+			if b := offsets.GetBlock(g.topic, part); b != nil && b.Err == sarama.ErrNoError {
+				l.Committed = b.Offset
+			}
+			from := l.Committed
+			if from < 0 {
+				if from, err = client.GetOffset(g.topic, part, sarama.OffsetOldest); err != nil {
+					errs = append(errs, fmt.Errorf("%s/%d: oldest offset: %w", g.topic, part, err))
+					continue
+				}
+			}
+			l.Lag = max(hwm-from, 0)
+			out = append(out, l)
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+// lagState is the pipeline's lazily made Kafka client for Lag.
+type lagState struct {
+	lagMu     sync.Mutex
+	lagClient sarama.Client
+	lagAdmin  sarama.ClusterAdmin
+}
+
+func (l *lagState) closeLag() error {
+	l.lagMu.Lock()
+	defer l.lagMu.Unlock()
+	if l.lagAdmin == nil {
+		return nil
+	}
+	err := l.lagAdmin.Close() // closes its client too
+	l.lagAdmin, l.lagClient = nil, nil
+	return err
+}
