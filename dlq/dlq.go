@@ -42,6 +42,10 @@ type Config struct {
 	// provider's key retention, where a replayed charge whose transaction
 	// had rolled back would charge again. 0 replays all.
 	MaxAge time.Duration
+	// Filter replays only the letters it selects; the others stay for a
+	// later replay (a filtered replay keeps its progress in a group of its
+	// own, see progressGroup).
+	Filter Filter
 	// Progress, if set, is called after each message.
 	Progress func(done, total int64)
 	Now      func() time.Time
@@ -51,6 +55,7 @@ type Config struct {
 type Report struct {
 	Replayed     int64
 	SkippedStale int64
+	Filtered     int64 // left out by the filter
 	ByTopic      map[string]int64
 }
 
@@ -92,6 +97,7 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	cc := sarama.NewConfig()
 	cc.Version = cfg.Sarama.Version
 	cc.ClientID = cfg.Sarama.ClientID
+	cc.Net = cfg.Sarama.Net
 	cc.Consumer.Offsets.Initial = sarama.OffsetOldest
 	client, err := sarama.NewClient(cfg.Brokers, cc)
 	if err != nil {
@@ -103,9 +109,10 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 		return Report{}, fmt.Errorf("dlq: consumer: %w", err)
 	}
 	defer consumer.Close()
-	offsets, err := sarama.NewOffsetManagerFromClient(cfg.Group, client)
+	group := progressGroup(cfg.Group, cfg.Filter)
+	offsets, err := sarama.NewOffsetManagerFromClient(group, client)
 	if err != nil {
-		return Report{}, fmt.Errorf("dlq: offsets of %s: %w", cfg.Group, err)
+		return Report{}, fmt.Errorf("dlq: offsets of %s: %w", group, err)
 	}
 	defer offsets.Close()
 
@@ -182,19 +189,30 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 // dead-lettered since (the record's own timestamp is reset each time). A
 // payload without one falls back to the record's timestamp.
 func eventTime(m *sarama.ConsumerMessage) time.Time {
-	var doc struct {
-		EventID string `json:"event_id"`
-	}
-	if json.Unmarshal(m.Value, &doc) == nil {
-		if id, err := uuid.Parse(doc.EventID); err == nil && id.Version() == 7 {
-			sec, nsec := id.Time().UnixTime()
-			return time.Unix(sec, nsec)
-		}
+	if id, err := uuid.Parse(eventIDOf(m.Value)); err == nil && id.Version() == 7 {
+		sec, nsec := id.Time().UnixTime()
+		return time.Unix(sec, nsec)
 	}
 	return m.Timestamp
 }
 
+// eventIDOf is the payload's event_id, "" when it has none (a letter is
+// often a payload that does not decode).
+func eventIDOf(payload []byte) string {
+	var doc struct {
+		EventID string `json:"event_id"`
+	}
+	if json.Unmarshal(payload, &doc) != nil {
+		return ""
+	}
+	return doc.EventID
+}
+
 func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessage, rep *Report) error {
+	if !cfg.Filter.Matches(entryOf(m), cfg.Now()) {
+		rep.Filtered++
+		return nil
+	}
 	if cfg.MaxAge > 0 && cfg.Now().Sub(eventTime(m)) > cfg.MaxAge {
 		rep.SkippedStale++
 		return nil

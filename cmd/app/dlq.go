@@ -3,7 +3,12 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
+	"text/tabwriter"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
@@ -11,24 +16,147 @@ import (
 )
 
 type dlqCmd struct {
+	List   dlqListCmd   `cmd:"" help:"List dead letters as a table: those on the dead-letter topics, and those parked in the database on their way there."`
 	Replay dlqReplayCmd `cmd:"" help:"Republish dead-lettered messages to the topic they came from (each once; stops at the end seen at start)."`
 }
 
+// dlqFilterFlags select letters for list and replay alike.
+type dlqFilterFlags struct {
+	SourceTopic string        `name:"source-topic" help:"Only letters consumed from this topic (its name without --topic-suffix: ${topics})."`
+	SourceGroup string        `name:"source-group" help:"Only letters of this consumer group (${groups}; --group-suffix is added)."`
+	Reason      string        `name:"reason" help:"Only letters whose reason matches this regular expression."`
+	NewerThan   time.Duration `name:"newer-than" help:"Only letters whose event is at most this old."`
+	OlderThan   time.Duration `name:"older-than" help:"Only letters whose event is at least this old."`
+	GroupSuffix string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"The suffix app serve was given."`
+}
+
+func (f *dlqFilterFlags) filter(k *kafkaSettings) (dlq.Filter, error) {
+	re, err := dlq.ParseReason(f.Reason)
+	if err != nil {
+		return dlq.Filter{}, err
+	}
+	if f.NewerThan < 0 || f.OlderThan < 0 || (f.NewerThan > 0 && f.OlderThan > f.NewerThan) {
+		return dlq.Filter{}, fmt.Errorf("--newer-than and --older-than must be positive, --older-than below --newer-than")
+	}
+	out := dlq.Filter{Reason: re, MinAge: f.OlderThan, MaxAge: f.NewerThan}
+	if f.SourceTopic != "" {
+		if !slices.Contains(k.topics(""), f.SourceTopic) {
+			return dlq.Filter{}, fmt.Errorf("--source-topic %q: want one of %s", f.SourceTopic, strings.Join(k.topics(""), ", "))
+		}
+		out.Topic = f.SourceTopic + k.TopicSuffix
+	}
+	if f.SourceGroup != "" {
+		if handlers[f.SourceGroup] == nil {
+			return dlq.Filter{}, fmt.Errorf("--source-group %q: want one of %s", f.SourceGroup, strings.Join(groupNames(), ", "))
+		}
+		out.Group = f.SourceGroup + f.GroupSuffix
+	}
+	return out, nil
+}
+
+type dlqListCmd struct {
+	Kafka  kafkaSettings  `embed:""`
+	Filter dlqFilterFlags `embed:""`
+	DB     string         `name:"database-url" env:"DATABASE_URL" help:"Also list the letters parked in this database (committed, not yet on their topic)."`
+	Limit  int            `name:"limit" default:"100" help:"Show at most this many letters, the newest."`
+}
+
+func (c *dlqListCmd) Validate() error {
+	if c.Limit < 1 {
+		return fmt.Errorf("--limit must be at least 1")
+	}
+	_, err := c.Filter.filter(&c.Kafka)
+	return err
+}
+
+func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
+	f, _ := c.Filter.filter(&c.Kafka)
+	var dlqs []string
+	for _, t := range c.Kafka.topics(c.Kafka.TopicSuffix) {
+		dlqs = append(dlqs, dlqOf(t))
+	}
+	p := progress.New(d.stderr)
+	p.Set("reading %s", strings.Join(dlqs, ", "))
+	entries, err := dlq.List(ctx, dlq.ListConfig{Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
+		DLQTopics: dlqs, Filter: f, Limit: c.Limit})
+	p.Done()
+	if err != nil {
+		return fmt.Errorf("KAFKA_BROKERS: %w", err)
+	}
+	now := time.Now()
+	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "where\tevent id\tfrom topic\tgroup\tevent age\treason")
+	for _, e := range entries {
+		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, orDash(e.EventID), orDash(e.Topic), orDash(e.Group),
+			now.Sub(e.EventTime).Round(time.Second), oneLine(e.Reason, 100))
+	}
+	parked := 0
+	if c.DB != "" {
+		pool, err := pgxpool.New(ctx, c.DB)
+		if err != nil {
+			return fmt.Errorf("--database-url (DATABASE_URL): %w", err)
+		}
+		defer pool.Close()
+		store, err := dlq.NewStore(dlq.StoreConfig{})
+		if err != nil {
+			return err
+		}
+		letters, err := store.List(ctx, pool, c.Limit)
+		if err != nil {
+			return fmt.Errorf("--database-url (DATABASE_URL): %w", err)
+		}
+		for _, l := range letters {
+			e := dlq.Entry{Topic: l.Headers["topic_poisoned"], Group: l.Headers["handler_poisoned"], Reason: l.Headers["reason_poisoned"], EventTime: l.CreatedAt}
+			if !slices.Contains(dlqs, l.Topic) || !f.Matches(e, now) {
+				continue
+			}
+			parked++
+			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), orDash(e.Topic), orDash(e.Group),
+				now.Sub(l.CreatedAt).Round(time.Second), oneLine(e.Reason, 100))
+		}
+	}
+	w.Flush()
+	fmt.Fprintf(d.stdout, "%d dead letters on the topics, %d parked in the database\n", len(entries), parked)
+	return nil
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func oneLine(s string, max int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if len(s) > max {
+		s = s[:max] + "..."
+	}
+	return s
+}
+
 type dlqReplayCmd struct {
-	Kafka  kafkaSettings `embed:""`
-	Group  string        `name:"group" default:"${dlq_group}" help:"Consumer group that keeps the replay progress."`
-	MaxAge time.Duration `name:"max-age" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"Skip dead letters older than this (keep it within the payment provider's key retention); 0 replays all."`
+	Kafka  kafkaSettings  `embed:""`
+	Filter dlqFilterFlags `embed:""`
+	Group  string         `name:"group" default:"${dlq_group}" help:"Consumer group that keeps the replay progress (a filtered replay keeps its own, derived from it and the filter)."`
+	MaxAge time.Duration  `name:"max-age" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"Skip dead letters older than this (keep it within the payment provider's key retention); 0 replays all."`
+}
+
+func (c *dlqReplayCmd) Validate() error {
+	_, err := c.Filter.filter(&c.Kafka)
+	return err
 }
 
 func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
+	f, _ := c.Filter.filter(&c.Kafka)
 	p := progress.New(d.stderr)
 	defer p.Done()
 	var total dlq.Report
 	total.ByTopic = map[string]int64{}
-	for _, topic := range []string{c.Kafka.confirmed(), c.Kafka.cancelled(), c.Kafka.payments()} {
+	for _, topic := range c.Kafka.topics(c.Kafka.TopicSuffix) {
 		rep, err := dlq.Replay(ctx, dlq.Config{
 			Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
-			DLQTopic: dlqOf(topic), Topic: topic, Group: c.Group, MaxAge: c.MaxAge,
+			DLQTopic: dlqOf(topic), Topic: topic, Group: c.Group, MaxAge: c.MaxAge, Filter: f,
 			Progress: func(done, n int64) { p.Set("replaying %s: %d/%d", dlqOf(topic), done, n) },
 		})
 		if err != nil {
@@ -36,14 +164,17 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 		}
 		total.Replayed += rep.Replayed
 		total.SkippedStale += rep.SkippedStale
+		total.Filtered += rep.Filtered
 		for t, n := range rep.ByTopic {
 			total.ByTopic[t] += n
 		}
 	}
 	p.Done()
-	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s\n", total.Replayed, total.SkippedStale, c.MaxAge)
+	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",
+		total.Replayed, total.SkippedStale, c.MaxAge, total.Filtered)
+	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
 	for topic, n := range total.ByTopic {
-		fmt.Fprintf(d.stdout, "  %s\t%d\n", topic, n)
+		fmt.Fprintf(w, "  %s\t%d\n", topic, n)
 	}
-	return nil
+	return w.Flush()
 }

@@ -59,6 +59,7 @@ type cli struct {
 	Orders          ordersCmd          `cmd:"" help:"Run the order service: POST /v1/orders writes the order and its event (outbox), a forwarder moves events to Kafka."`
 	Demo            demoCmd            `cmd:"" help:"Run the whole system in one process with duplicates from every source, and check every order was charged and counted exactly once."`
 	DLQ             dlqCmd             `cmd:"" name:"dlq" help:"Dead-letter topic tools."`
+	Inbox           inboxCmd           `cmd:"" name:"inbox" help:"Claim tools: was an event processed, and by whom; forget a claim."`
 	PaymentProvider paymentProviderCmd `cmd:"" name:"payment-provider" help:"Run the payment provider simulator (idempotency keys, ledger, fault injection)."`
 }
 
@@ -78,7 +79,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		kong.Writers(stdout, stderr),
 		kong.UsageOnError(),
 		kong.ConfigureHelp(kong.HelpOptions{Compact: true}),
-		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "dlq_group": dlq.DefaultGroup, "groups": strings.Join(groupNames(), ", ")},
+		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "dlq_group": dlq.DefaultGroup, "groups": strings.Join(groupNames(), ", "), "topics": "order.confirmed.v1, order.cancelled.v1, payment.events.v1"},
 		kong.Exit(func(code int) { exited = true; panic(exitCode(code)) }),
 	)
 	if err != nil {

@@ -22,6 +22,12 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--commit-mode", "never"}, "--commit-mode"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "::nope", "--partitions", "1"}, "DATABASE_URL"},
 		{[]string{"migrate", "--database-url", "postgres://x@h/db", "--db-max-conns", "1"}, "ONCE_DB_MAX_CONNS"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--watch-interval", "10ms"}, "--watch-interval"},
+		{[]string{"inbox", "status", "not-a-uuid", "--database-url", "postgres://x@h/db"}, "<event-id>"},
+		{[]string{"inbox", "forget", "0190c1b2-0000-7000-8000-000000000000", "--group", "billing", "--database-url", "postgres://x@h/db"}, "--force"},
+		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--reason", "("}, "--reason"},
+		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--source-group", "shipping"}, "--source-group"},
+		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--source-topic", "orders"}, "--source-topic"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")
 		t.Setenv("DATABASE_URL", "")
@@ -34,7 +40,9 @@ func TestBadSettingsAreNamed(t *testing.T) {
 }
 
 func TestHelpOnEverySubcommand(t *testing.T) {
-	for _, args := range [][]string{{"--help"}, {"serve", "--help"}, {"migrate", "--help"}} {
+	for _, args := range [][]string{{"--help"}, {"serve", "--help"}, {"migrate", "--help"}, {"maintain", "--help"}, {"bench", "--help"},
+		{"bench-retention", "--help"}, {"orders", "--help"}, {"demo", "--help"}, {"dlq", "list", "--help"}, {"dlq", "replay", "--help"},
+		{"inbox", "status", "--help"}, {"inbox", "forget", "--help"}, {"payment-provider", "--help"}} {
 		var out, errOut bytes.Buffer
 		if err := run(context.Background(), args, &out, &errOut); err != nil {
 			t.Errorf("%v: %v", args, err)

@@ -71,6 +71,11 @@ func (k *kafkaSettings) payments() string  { return k.PaymentTopic + k.TopicSuff
 // dlqOf is a topic's dead-letter topic.
 func dlqOf(topic string) string { return topic + ".dlq" }
 
+// topics are the service's topics, each with suffix.
+func (k *kafkaSettings) topics(suffix string) []string {
+	return []string{k.ConfirmedTopic + suffix, k.CancelledTopic + suffix, k.PaymentTopic + suffix}
+}
+
 // ensureTopics creates the three topics and their dead-letter topics.
 func (k *kafkaSettings) ensureTopics(ctx context.Context) error {
 	var all []string
