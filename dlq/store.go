@@ -195,6 +195,7 @@ func (cfg *DrainConfig) setDefaults() {
 // Drain publishes parked letters until ctx ends: one pass per poll or nudge.
 func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 	cfg.setDefaults()
+	s.reportOthers(ctx, cfg)
 	t := time.NewTicker(cfg.PollInterval)
 	defer t.Stop()
 	for {
@@ -213,6 +214,30 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 		case <-t.C:
 		case <-s.nudge:
 		}
+	}
+}
+
+// reportOthers says, once, which parked letters this drainer leaves to
+// another: a letter whose topic no running service drains would otherwise
+// wait unseen (once_dead_letters_parked counts it too).
+func (s *Store) reportOthers(ctx context.Context, cfg DrainConfig) {
+	if len(cfg.Topics) == 0 {
+		return
+	}
+	rows, err := cfg.DB.Query(ctx, `SELECT topic, count(*), min(created_at) FROM `+s.table+` WHERE NOT topic = ANY($1) GROUP BY topic ORDER BY topic`, cfg.Topics)
+	if err != nil {
+		return // the drain's own reads report the database
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var topic string
+		var n int64
+		var oldest time.Time
+		if rows.Scan(&topic, &n, &oldest) != nil {
+			return
+		}
+		cfg.Logger.Warn("dead letters parked for a topic this service does not publish to: they wait for a service configured with it (app dlq list --database-url ...)",
+			"dlq", topic, "letters", n, "oldest", oldest)
 	}
 }
 

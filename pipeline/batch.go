@@ -37,8 +37,22 @@ type batcher struct {
 
 	mu      sync.Mutex
 	queues  map[partitionOf]*[]*batchEntry // announced, in order
-	entries map[string]*batchEntry         // by message UUID
-	wake    chan struct{}
+	entries map[entryKey]*batchEntry
+	wake    chan struct{} // the batch loop's
+	changed chan struct{} // closed (and replaced) at every change, for those awaiting their turn
+}
+
+// entryKey names a message as one session handed it out: the same offset
+// handed out again by a later session of this process is another entry,
+// so a late goroutine of the old session never touches the new one's.
+type entryKey struct {
+	owner context.Context
+	uuid  string
+}
+
+func entryKeyOf(msg *message.Message) (entryKey, bool) {
+	c, ok := claimOf(msg)
+	return entryKey{c.owner, msg.UUID}, ok
 }
 
 // partitionOf names a partition as one session of this process owns it: a
@@ -59,10 +73,11 @@ const (
 )
 
 type batchEntry struct {
-	uuid   string
+	key    entryKey
 	offset int64
 	queue  partitionOf
 	msg    *message.Message
+	ctx    context.Context // msg's context when it reached the claim
 	state  entryState
 	// runAlone: its batch failed; it runs on its own once every message
 	// before it in its partition is done, so that a partition's events
@@ -74,7 +89,7 @@ type batchEntry struct {
 
 func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error, cfg Batch) *batcher {
 	return &batcher{topic: topic, group: group, p: p, idem: idem, handle: handle, cfg: cfg,
-		queues: map[partitionOf]*[]*batchEntry{}, entries: map[string]*batchEntry{}, wake: make(chan struct{}, 1)}
+		queues: map[partitionOf]*[]*batchEntry{}, entries: map[entryKey]*batchEntry{}, wake: make(chan struct{}, 1), changed: make(chan struct{})}
 }
 
 // announce records msg as its partition's next message; the subscriber calls
@@ -86,9 +101,10 @@ func (b *batcher) announce(msg *message.Message) {
 	}
 	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
 	key := partitionOf{c.owner, c.partition}
+	ek := entryKey{c.owner, msg.UUID}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if e := b.entries[msg.UUID]; e != nil {
+	if e := b.entries[ek]; e != nil {
 		// Handed out again after it was given back: still in its place.
 		e.state, e.msg, e.runAlone = announced, nil, false
 		return
@@ -98,12 +114,12 @@ func (b *batcher) announce(msg *message.Message) {
 		q = new([]*batchEntry)
 		b.queues[key] = q
 	}
-	e := &batchEntry{uuid: msg.UUID, offset: offset, queue: key}
+	e := &batchEntry{key: ek, offset: offset, queue: key}
 	// In offset order, so that a message handed out again lands before
 	// those that followed it.
 	i, _ := slices.BinarySearchFunc(*q, offset, func(e *batchEntry, o int64) int { return int(e.offset - o) })
 	*q = slices.Insert(*q, i, e)
-	b.entries[msg.UUID] = e
+	b.entries[ek] = e
 }
 
 // track wraps a batched group's whole chain: a message that leaves it
@@ -118,10 +134,14 @@ func (b *batcher) track(h message.HandlerFunc) message.HandlerFunc {
 }
 
 func (b *batcher) leave(msg *message.Message, keepPlace bool) {
+	ek, ok := entryKeyOf(msg)
+	if !ok {
+		return
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	e := b.entries[msg.UUID]
-	if e == nil {
+	e := b.entries[ek]
+	if e == nil || (e.msg != nil && e.msg != msg) {
 		return
 	}
 	if keepPlace {
@@ -133,7 +153,7 @@ func (b *batcher) leave(msg *message.Message, keepPlace bool) {
 }
 
 func (b *batcher) remove(e *batchEntry) {
-	delete(b.entries, e.uuid)
+	delete(b.entries, e.key)
 	q := b.queues[e.queue]
 	if q == nil {
 		return
@@ -146,53 +166,115 @@ func (b *batcher) remove(e *batchEntry) {
 	}
 }
 
+// signal wakes the batch loop and those awaiting their turn. Caller holds
+// b.mu.
 func (b *batcher) signal() {
 	select {
 	case b.wake <- struct{}{}:
 	default:
 	}
+	close(b.changed)
+	b.changed = make(chan struct{})
 }
 
 type attemptCtxKey struct{}
 
 // claim is the group's claim stage: the first attempt of a message joins a
 // batch; one the batch could not decide, and every later attempt, goes
-// through next, the group's per-event claim.
+// through next, the group's per-event claim, once every message before it
+// in its partition is done.
 func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		if attempt, _ := msg.Context().Value(attemptCtxKey{}).(int); attempt > 1 {
+		ek, ok := entryKeyOf(msg)
+		if !ok {
 			return next(msg)
 		}
+		attempt, _ := msg.Context().Value(attemptCtxKey{}).(int)
 		b.mu.Lock()
-		e := b.entries[msg.UUID]
-		if e == nil || e.state != announced {
+		e := b.entries[ek]
+		if e == nil {
 			b.mu.Unlock()
 			return next(msg)
 		}
-		e.state, e.msg, e.since, e.result = waiting, msg, time.Now(), make(chan error, 1)
+		if attempt > 1 || e.state != announced {
+			// Its first attempt failed before it reached a batch, or its
+			// batch gave it back: it runs on its own, in its turn.
+			b.mu.Unlock()
+			if err := b.awaitTurn(msg, e); err != nil {
+				return nil, err
+			}
+			return next(msg)
+		}
+		e.state, e.msg, e.ctx, e.since, e.result = waiting, msg, msg.Context(), time.Now(), make(chan error, 1)
 		b.signal()
 		b.mu.Unlock()
 
-		select {
-		case err := <-e.result:
-			if errors.Is(err, idempotency.ErrRunAlone) {
-				return next(msg)
-			}
-			return nil, err
-		case <-revokedOf(msg):
-			b.withdraw(e)
-			return nil, ErrRevoked
-		case <-b.p.stopping:
-			b.withdraw(e)
-			return nil, errShutdown
-		case <-msg.Context().Done():
-			b.withdraw(e)
-			if b.p.stopped(msg) {
+		ctxDone := msg.Context().Done()
+		for {
+			select {
+			case err := <-e.result:
+				if errors.Is(err, idempotency.ErrRunAlone) {
+					return next(msg)
+				}
+				return nil, err
+			case <-revokedOf(msg):
+				b.withdraw(e)
+				return nil, ErrRevoked
+			case <-b.p.stopping:
+				b.withdraw(e)
 				return nil, errShutdown
+			case <-ctxDone:
+				if b.p.stopped(msg) {
+					b.withdraw(e)
+					return nil, errShutdown
+				}
+				// The attempt's time (or a team's timeout) ran out while it
+				// waited for the messages before it, a wait that is not its
+				// work: it keeps its place, as a per-event group's message
+				// keeps its place behind a held one.
+				ctxDone = nil
 			}
-			return nil, errMessageContextDone
 		}
 	}
+}
+
+// awaitTurn waits until every message before e in its partition is done,
+// and makes e the one its followers wait for.
+func (b *batcher) awaitTurn(msg *message.Message, e *batchEntry) error {
+	for {
+		b.mu.Lock()
+		if b.isHead(e) {
+			e.state, e.runAlone = alone, false
+			b.mu.Unlock()
+			return nil
+		}
+		changed := b.changed
+		b.mu.Unlock()
+		select {
+		case <-changed:
+		case <-revokedOf(msg):
+			return ErrRevoked
+		case <-b.p.stopping:
+			return errShutdown
+		}
+	}
+}
+
+// isHead: every message before e in its partition is done. Caller holds b.mu.
+func (b *batcher) isHead(e *batchEntry) bool {
+	q := b.queues[e.queue]
+	if q == nil {
+		return true
+	}
+	for _, x := range *q {
+		if x == e {
+			return true
+		}
+		if x.state != done {
+			return false
+		}
+	}
+	return true
 }
 
 // withdraw takes a message that gave up waiting out of the next batch; one
@@ -232,9 +314,18 @@ func (b *batcher) run(ctx context.Context) {
 	}
 }
 
+// batchItem is an entry as its batch took it: the message, and a copy of it
+// that only the batch uses (the message's own goroutine may give up and
+// change its context meanwhile).
+type batchItem struct {
+	e      *batchEntry
+	msg    *message.Message
+	frozen *message.Message
+}
+
 // next waits for a batch: Size messages that may join one, or fewer once
 // the oldest of them waited MaxWait.
-func (b *batcher) next(ctx context.Context) []*batchEntry {
+func (b *batcher) next(ctx context.Context) []batchItem {
 	var timer *time.Timer
 	defer func() {
 		if timer != nil {
@@ -246,11 +337,18 @@ func (b *batcher) next(ctx context.Context) []*batchEntry {
 		ready, oldest := b.ready()
 		if len(ready) >= b.cfg.Size || (len(ready) > 0 && time.Since(oldest) >= b.cfg.MaxWait) {
 			ready = ready[:min(len(ready), b.cfg.Size)]
-			for _, e := range ready {
+			items := make([]batchItem, len(ready))
+			for i, e := range ready {
 				e.state = inBatch
+				frozen := message.NewMessage(e.msg.UUID, e.msg.Payload)
+				for k, v := range e.msg.Metadata {
+					frozen.Metadata.Set(k, v)
+				}
+				frozen.SetContext(e.ctx)
+				items[i] = batchItem{e: e, msg: e.msg, frozen: frozen}
 			}
 			b.mu.Unlock()
-			return ready
+			return items
 		}
 		b.mu.Unlock()
 		var fire <-chan time.Time
@@ -286,16 +384,22 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time) {
 			}
 			continue
 		}
+		pending := false // a message before this one is in the batch being formed
 		for _, e := range *q {
 			if e.state == done {
 				continue
 			}
 			if e.state == waiting && e.runAlone {
-				e.state = alone
-				e.result <- idempotency.ErrRunAlone
+				// Its turn to run on its own comes when all before it
+				// are done, not while one of them is still to be batched.
+				if !pending {
+					e.state = alone
+					e.result <- idempotency.ErrRunAlone
+				}
 				break
 			}
 			if e.state == waiting {
+				pending = true
 				ready = append(ready, e)
 				if oldest.IsZero() || e.since.Before(oldest) {
 					oldest = e.since
@@ -311,22 +415,32 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time) {
 	return ready, oldest
 }
 
-// commit runs one batch and hands each message its result.
-func (b *batcher) commit(ctx context.Context, batch []*batchEntry) {
+// commit runs one batch and hands each message its result. The batch's
+// attempt ends at shutdown and when any of its partitions is revoked, as a
+// per-event attempt does: its claims roll back (a commit under way is let
+// finish), and the messages run on their own or go to the next owner.
+func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 	// Partition by partition, in order: the handler sees each partition's
 	// events as they were written.
-	slices.SortFunc(batch, func(x, y *batchEntry) int {
-		if x.queue.partition != y.queue.partition {
-			return int(x.queue.partition - y.queue.partition)
+	slices.SortFunc(batch, func(x, y batchItem) int {
+		if x.e.queue.partition != y.e.queue.partition {
+			return int(x.e.queue.partition - y.e.queue.partition)
 		}
-		return int(x.offset - y.offset)
+		return int(x.e.offset - y.e.offset)
 	})
 	msgs := make([]*message.Message, len(batch))
-	for i, e := range batch {
-		msgs[i] = e.msg
+	for i, it := range batch {
+		msgs[i] = it.frozen
 	}
-	attemptCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.p.cfg.AttemptTimeout)
+	attemptCtx, cancel := context.WithTimeout(ctx, b.p.cfg.AttemptTimeout)
 	defer cancel()
+	owners := map[context.Context]bool{}
+	for _, it := range batch {
+		if o := it.e.queue.owner; !owners[o] {
+			owners[o] = true
+			defer context.AfterFunc(o, cancel)()
+		}
+	}
 	started := time.Now()
 	results := b.idem.ProcessBatch(attemptCtx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
 		evs := make([]any, len(claimed))
@@ -350,19 +464,26 @@ func (b *batcher) commit(ctx context.Context, batch []*batchEntry) {
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	first := map[int32]bool{}
-	for i, e := range batch {
-		if e.msg != msgs[i] {
-			continue // its goroutine gave up and left meanwhile
+	first := map[partitionOf]bool{}
+	for i, it := range batch {
+		e := it.e
+		runAlone := errors.Is(results[i], idempotency.ErrRunAlone)
+		if e.msg != it.msg {
+			// Its goroutine gave up and left meanwhile. Undecided, it will
+			// be handed out again in its place, and its followers wait.
+			if runAlone {
+				first[e.queue] = true
+			}
+			continue
 		}
 		switch {
-		case !errors.Is(results[i], idempotency.ErrRunAlone):
+		case !runAlone:
 			e.state = done
 			e.result <- results[i]
-		case !first[e.queue.partition] && e.state == inBatch:
+		case !first[e.queue] && e.state == inBatch:
 			// The first of its partition runs on its own now; the others
 			// follow it one by one (runAlone), in order.
-			first[e.queue.partition] = true
+			first[e.queue] = true
 			e.state = alone
 			e.result <- results[i]
 		case e.state == inBatch:

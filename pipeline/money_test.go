@@ -107,6 +107,14 @@ func testThousandEvents(t *testing.T, m handlerMode) {
 		analyticsOf,
 	)
 	cfg.OnResult = seen.record
+	// The group commit must really have batched: a batcher bypassed (every
+	// event on its own) passes every other check here.
+	var batches, largest atomic.Int64
+	cfg.OnBatch = func(b pipeline.BatchDone) {
+		batches.Add(1)
+		for l := largest.Load(); int64(b.Size) > l && !largest.CompareAndSwap(l, int64(b.Size)); l = largest.Load() {
+		}
+	}
 
 	customers := make([]int64, 37)
 	first := 1 + rand.Int64N(1<<50)
@@ -140,6 +148,16 @@ func testThousandEvents(t *testing.T, m handlerMode) {
 		}
 	}
 	t.Logf("2 x %d events through 2 groups in %s", events, time.Since(start).Round(time.Millisecond))
+	if m.batched {
+		// 2,000 deliveries on 6 partitions: batches of more than the 6
+		// messages one per partition would allow.
+		if batches.Load() == 0 || batches.Load() >= 2*events || largest.Load() <= 6 {
+			t.Fatalf("analytics ran %d batches, the largest of %d; want batches larger than one message per partition", batches.Load(), largest.Load())
+		}
+		t.Logf("analytics: %d batches, the largest of %d", batches.Load(), largest.Load())
+	} else if batches.Load() != 0 {
+		t.Fatalf("%d batches in per-event mode", batches.Load())
+	}
 
 	l, err := client.Ledger(context.Background())
 	if err != nil {

@@ -65,8 +65,9 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	start := time.Now()
 	errs := make([]error, len(msgs))
 	var claim, handle, commit time.Duration
+	decided := make([]bool, len(msgs)) // reported: never run on its own too
 	report := func(i int, key uuid.UUID, o Outcome, err error) {
-		errs[i] = err
+		errs[i], decided[i] = err, true
 		if m.cfg.OnResult != nil {
 			m.cfg.OnResult(Result{Outcome: o, EventID: key, ConsumerGroup: m.cfg.ConsumerGroup,
 				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), Duration: time.Since(start), Err: err,
@@ -105,7 +106,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	}
 	runAlone := func() []error {
 		for _, i := range first {
-			if errs[i] == nil {
+			if !decided[i] {
 				errs[i] = ErrRunAlone
 			}
 		}

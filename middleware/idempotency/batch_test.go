@@ -259,3 +259,41 @@ func TestOverlappingBatchesAtOnceProcessEachEventOnce(t *testing.T) {
 		t.Fatalf("the handlers saw %d events, want 60", runs.Load())
 	}
 }
+
+// Review finding: a duplicate proven in a batch that then rolled back (an
+// event outside the horizon) was reported twice: as a duplicate by the
+// batch, and again when sent to run alone. It is decided once, by the batch.
+func TestADuplicateInARolledBackBatchIsDecidedOnce(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	var reported []idempotency.Result
+	var mu sync.Mutex
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: time.Hour,
+		OnResult: func(r idempotency.Result) { mu.Lock(); reported = append(reported, r); mu.Unlock() }})
+	ids, msgs := newEvents(t, 2)
+	var runs atomic.Int64
+	if _, err := m.Middleware(recordEffect(group, &runs))(copies(msgs[:1])[0]); err != nil {
+		t.Fatal(err)
+	}
+	old := uuid.Must(uuid.NewV7())
+	ms := time.Now().Add(-2 * time.Hour).UnixMilli()
+	for i := range 6 {
+		old[i] = byte(ms >> (40 - 8*i))
+	}
+	batch := append(copies(msgs), newMessage(old, `"amount":"1.00"`))
+	errs := m.ProcessBatch(context.Background(), batch, recordBatch(group, &runs))
+	if errs[0] != nil || !errors.Is(errs[1], idempotency.ErrRunAlone) || !errors.Is(errs[2], idempotency.ErrRunAlone) {
+		t.Fatalf("results %v; want the duplicate decided, the others sent to run alone", errs)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	dups := 0
+	for _, r := range reported {
+		if r.EventID == ids[0] && r.Outcome == idempotency.Duplicate {
+			dups++
+		}
+	}
+	if dups != 1 {
+		t.Fatalf("the duplicate was reported %d times; want once", dups)
+	}
+}

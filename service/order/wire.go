@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
@@ -96,9 +97,11 @@ func (f *fields) str(field, want string) (string, bool) {
 	if !ok {
 		return "", false
 	}
-	if len(raw) >= 2 && raw[0] == '"' && bytes.IndexByte(raw, '\\') < 0 {
-		// No escapes: the text between the quotes is the string (the
-		// document was validated as JSON as a whole).
+	if len(raw) >= 2 && raw[0] == '"' && bytes.IndexByte(raw, '\\') < 0 && utf8.Valid(raw) {
+		// No escapes and valid UTF-8: the text between the quotes is the
+		// string (the document was validated as JSON as a whole). Invalid
+		// UTF-8 goes the slow way, which replaces it with U+FFFD as
+		// encoding/json always did: PostgreSQL refuses invalid text.
 		return string(raw[1 : len(raw)-1]), true
 	}
 	var s string

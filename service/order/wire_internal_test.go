@@ -34,3 +34,17 @@ func FuzzLiteralChecks(f *testing.F) {
 		}
 	})
 }
+
+// Invalid UTF-8 in a string field decodes as encoding/json decodes it (each
+// bad byte becomes U+FFFD): a reason PostgreSQL would refuse as text must
+// not turn a good event into a dead letter.
+func TestInvalidUTF8DecodesAsEncodingJSONDoes(t *testing.T) {
+	payload := []byte("{\"event_id\":\"0190c1b2-3c4d-7e5f-8a6b-7c8d9e0f1a2b\",\"event_type\":\"order.cancelled.v1\",\"occurred_at\":\"2024-07-17T17:16:26Z\",\"order_id\":42,\"reason\":\"caf\xe9\"}")
+	ev, err := DecodeCancelled(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.Reason() != "caf\uFFFD" {
+		t.Fatalf("reason %q, want %q", ev.Reason(), "caf\uFFFD")
+	}
+}

@@ -1,0 +1,46 @@
+package idempotency_test
+
+import (
+	"encoding/json"
+	"errors"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
+	"github.com/once-dev/once/middleware/idempotency"
+)
+
+// FuzzPayloadEventID: on any payload the key extractor returns a UUIDv7
+// that the payload's event_id spells, or an ErrInvalidKey; never a panic,
+// never another id.
+func FuzzPayloadEventID(f *testing.F) {
+	for _, s := range []string{
+		`{"event_id":"0190c1b2-3c4d-7e5f-8a6b-7c8d9e0f1a2b"}`, `{"event_id":"0190C1B2-3C4D-7E5F-8A6B-7C8D9E0F1A2B","x":1}`,
+		`{"event_id":"urn:uuid:0190c1b2-3c4d-7e5f-8a6b-7c8d9e0f1a2b"}`, `{"event_id":"{0190c1b2-3c4d-7e5f-8a6b-7c8d9e0f1a2b}"}`,
+		`{"event_id":"6ba7b810-9dad-11d1-80b4-00c04fd430c8"}`, `{"event_id":null}`, `{"event_id":7}`, `[`, ``,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, payload []byte) {
+		id, err := idempotency.PayloadEventID(message.NewMessage("m", payload))
+		if err != nil {
+			if !errors.Is(err, idempotency.ErrInvalidKey) {
+				t.Fatalf("%q: error %v is not an ErrInvalidKey", payload, err)
+			}
+			return
+		}
+		if id.Version() != 7 || id.Variant() != uuid.RFC4122 {
+			t.Fatalf("%q: accepted %s, version %d", payload, id, id.Version())
+		}
+		var doc struct {
+			EventID string `json:"event_id"`
+		}
+		if json.Unmarshal(payload, &doc) != nil {
+			t.Fatalf("%q: accepted a payload encoding/json rejects", payload)
+		}
+		if again, err := uuid.Parse(doc.EventID); err != nil || again != id {
+			t.Fatalf("%q: key %s, but event_id reads %q", payload, id, doc.EventID)
+		}
+	})
+}

@@ -1,0 +1,204 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/middleware/idempotency"
+)
+
+// These drive the batcher directly, forcing interleavings of a batch and
+// the goroutines of its messages that real Kafka and PostgreSQL produce
+// only now and then. The database never answers (failingDB): each batch
+// fails, as a batch does when its database is gone.
+
+// failingDB fails every BEGIN; with entered set, the first one signals it
+// and waits for release.
+type failingDB struct {
+	entered, release chan struct{}
+	first            *sync.Once
+}
+
+func (d failingDB) BeginTx(context.Context, pgx.TxOptions) (pgx.Tx, error) {
+	if d.entered != nil {
+		d.first.Do(func() {
+			close(d.entered)
+			<-d.release
+		})
+	}
+	return nil, errors.New("database unreachable (staged)")
+}
+
+type batchFixture struct {
+	p    *Pipeline
+	b    *batcher
+	ran  chan string // messages that went on to the per-event claim
+	next message.HandlerFunc
+}
+
+func newBatchFixture(t *testing.T, db failingDB) *batchFixture {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &Pipeline{stopping: make(chan struct{}), cfg: Config{AttemptTimeout: time.Minute}, router: router}
+	idem, err := idempotency.New(idempotency.Config{DB: db, ConsumerGroup: "g", Key: decodedKey})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &batchFixture{p: p, b: newBatcher(p, "t", "g", idem, nil, Batch{Size: 10, MaxWait: time.Millisecond, Window: 10, Concurrency: 2}),
+		ran: make(chan string, 8)}
+	f.next = func(msg *message.Message) ([]*message.Message, error) { f.ran <- msg.UUID; return nil, nil }
+	return f
+}
+
+// message is offset of partition 0 as session owner hands it out, at its
+// first attempt; cancel ends its context.
+func (f *batchFixture) message(owner context.Context, offset int64) (*message.Message, context.CancelFunc) {
+	msg := message.NewMessage("t/0/"+strconv.FormatInt(offset, 10), []byte("{}"))
+	msg.Metadata.Set(MetaKafkaOffset, strconv.FormatInt(offset, 10))
+	ctx := context.WithValue(context.Background(), claimCtxKey{}, claimInfo{owner: owner, topic: "t", partition: 0})
+	ctx = context.WithValue(ctx, eventCtxKey{}, decoded{id: uuid.Must(uuid.NewV7())})
+	ctx, cancel := context.WithCancel(ctx)
+	msg.SetContext(context.WithValue(ctx, attemptCtxKey{}, 1))
+	return msg, cancel
+}
+
+func (f *batchFixture) claimAsync(msg *message.Message) <-chan error {
+	done := make(chan error, 1)
+	go func() { _, err := f.b.claim(f.next)(msg); done <- err }()
+	return done
+}
+
+// Review finding: a message whose goroutine leaves between the forming of
+// its batch and the batch's commit (shutdown) made the commit read a nil
+// message and panic. The batch now works on the copy it took.
+func TestAMessageLeavingBeforeItsBatchCommitsIsNoCrash(t *testing.T) {
+	f := newBatchFixture(t, failingDB{})
+	owner, end := context.WithCancel(context.Background())
+	defer end()
+	m10, _ := f.message(owner, 10)
+	f.b.announce(m10)
+	done := f.claimAsync(m10)
+	time.Sleep(50 * time.Millisecond)
+	batch := f.b.next(context.Background())
+	if len(batch) != 1 {
+		t.Fatalf("batch of %d", len(batch))
+	}
+	close(f.p.stopping)
+	if err := <-done; !errors.Is(err, errShutdown) {
+		t.Fatalf("claim at shutdown: %v", err)
+	}
+	f.b.leave(m10, true) // what track does with errShutdown
+	defer func() {
+		if r := recover(); r != nil {
+			t.Fatalf("commit panicked: %v", r)
+		}
+	}()
+	f.b.commit(context.Background(), batch)
+}
+
+// Review finding: when a batch failed, the first of a partition to run on
+// its own was chosen among the messages still with the batch; a message
+// ahead of them that had given up (to be handed out again) was skipped,
+// and the one behind it ran first.
+func TestAFailedBatchKeepsAGivenBackMessageAhead(t *testing.T) {
+	db := failingDB{entered: make(chan struct{}), release: make(chan struct{}), first: new(sync.Once)}
+	f := newBatchFixture(t, db)
+	owner, end := context.WithCancel(context.Background())
+	defer end()
+	m10, _ := f.message(owner, 10)
+	m11, _ := f.message(owner, 11)
+	f.b.announce(m10)
+	f.b.announce(m11)
+	// 10 at the claim as its goroutine would put it there, so that the
+	// test can make it leave alone; 11's goroutine waits for real.
+	f.b.mu.Lock()
+	e10 := f.b.entries[entryKey{owner, m10.UUID}]
+	e10.state, e10.msg, e10.ctx, e10.since, e10.result = waiting, m10, m10.Context(), time.Now(), make(chan error, 1)
+	f.b.mu.Unlock()
+	f.claimAsync(m11)
+	time.Sleep(50 * time.Millisecond)
+	batch := f.b.next(context.Background())
+	if len(batch) != 2 {
+		t.Fatalf("batch of %d", len(batch))
+	}
+	committed := make(chan struct{})
+	go func() { f.b.commit(context.Background(), batch); close(committed) }()
+	<-db.entered
+	// 10's goroutine gives up while the batch runs and leaves, keeping
+	// its place: it will be handed out again.
+	f.b.withdraw(e10)
+	f.b.leave(m10, true)
+	close(db.release)
+	<-committed
+	select {
+	case id := <-f.ran:
+		t.Fatalf("%s ran on its own while offset 10 is still ahead of it, to be handed out again", id)
+	case <-time.After(300 * time.Millisecond):
+	}
+	// 10 is handed out again; its batch fails too, and it runs on its own,
+	// first; 11 follows it.
+	m10b, _ := f.message(owner, 10)
+	f.b.announce(m10b)
+	f.claimAsync(m10b)
+	time.Sleep(50 * time.Millisecond)
+	go func() {
+		if batch := f.b.next(context.Background()); batch != nil {
+			f.b.commit(context.Background(), batch)
+		}
+	}()
+	if id := <-f.ran; id != m10b.UUID {
+		t.Fatalf("%s ran first; want offset 10", id)
+	}
+}
+
+// Review finding: the batcher's entries were keyed by the message's UUID
+// (topic/partition/offset), the same in every session; an entry left over
+// from a revoked session captured the next session's message, which then
+// waited in the old session's queue while its follower went ahead.
+func TestANewSessionsMessageIsNotCapturedByTheOldOnes(t *testing.T) {
+	f := newBatchFixture(t, failingDB{})
+	owner1, revoke1 := context.WithCancel(context.Background())
+	old5, _ := f.message(owner1, 5)
+	f.b.announce(old5)
+	revoke1()
+
+	owner2, end2 := context.WithCancel(context.Background())
+	defer end2()
+	m5, _ := f.message(owner2, 5)
+	m6, _ := f.message(owner2, 6)
+	f.b.announce(m5)
+	f.b.announce(m6)
+	f.claimAsync(m5)
+	f.claimAsync(m6)
+	time.Sleep(50 * time.Millisecond)
+	f.b.mu.Lock()
+	ready, _ := f.b.ready()
+	f.b.mu.Unlock()
+	var offsets []int64
+	for _, e := range ready {
+		offsets = append(offsets, e.offset)
+	}
+	if len(offsets) != 2 || offsets[0] != 5 || offsets[1] != 6 {
+		t.Fatalf("ready offsets %v; want 5 and 6 of the new session, in order", offsets)
+	}
+	// The old session's late goroutine leaving touches nothing of the new one's.
+	f.b.leave(old5, false)
+	f.b.mu.Lock()
+	e5 := f.b.entries[entryKey{owner2, m5.UUID}]
+	f.b.mu.Unlock()
+	if e5 == nil || e5.state != waiting {
+		t.Fatalf("the new session's offset 5 after the old one left: %+v", e5)
+	}
+}

@@ -1,0 +1,101 @@
+package pipeline_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/service/order"
+)
+
+// Review finding: a message held for longer than AttemptTimeout holds its
+// partition in both modes. Batched, the message behind it used to time out
+// waiting for its batch and take the per-event claim ahead of the held one.
+func TestAMessageHeldLongerThanAnAttemptKeepsItsFollowersBehind(t *testing.T) {
+	eachMode(t, testHeldLongerThanAnAttempt)
+}
+
+func testHeldLongerThanAnAttempt(t *testing.T, m handlerMode) {
+	e := newEnv(t, 1)
+	a, b := validEvent(t, "1.00"), validEvent(t, "2.00")
+	var mu sync.Mutex
+	var passed []uuid.UUID
+	var failUntil time.Time
+	var failures int
+	r := &recorder{group: uniqueGroup("billing"), fail: func(ev order.Confirmed) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if ev.EventID() == a.EventID() {
+			if failUntil.IsZero() {
+				failUntil = time.Now().Add(4 * time.Second)
+			}
+			if time.Now().Before(failUntil) {
+				failures++
+				return errors.New("provider answered 503 (staged)")
+			}
+		}
+		passed = append(passed, ev.EventID())
+		return nil
+	}}
+	cfg := e.config(m.group(r))
+	cfg.HoldBackoff, cfg.HoldMaxBackoff = 100*time.Millisecond, 200*time.Millisecond
+	cfg.AttemptTimeout = time.Second
+	run(t, cfg)
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, a))
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, b))
+	testenv.Eventually(t, time.Minute, "both processed", func() bool { return effects(t, e.pool, r.group) == 2 })
+	mu.Lock()
+	defer mu.Unlock()
+	if failures < 5 {
+		t.Fatalf("the held event failed %d times; the hold did not outlast several attempts", failures)
+	}
+	if len(passed) < 2 || passed[0] != a.EventID() {
+		t.Fatalf("handler passes %v; want the held %s before %s", passed, a.EventID(), b.EventID())
+	}
+}
+
+// Review finding: stopping while a handler works stops it, in both modes:
+// a batch's attempt used to run on past shutdown for up to AttemptTimeout.
+func TestStopEndsAHandlerAtWork(t *testing.T) { eachMode(t, testStopEndsAHandler) }
+
+func testStopEndsAHandler(t *testing.T, m handlerMode) {
+	e := newEnv(t, 1)
+	entered := make(chan struct{}, 10)
+	r := &recorder{group: uniqueGroup("billing")}
+	g := m.group(r)
+	work := func(ctx context.Context) error {
+		entered <- struct{}{}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(30 * time.Second):
+			return nil
+		}
+	}
+	if m.batched {
+		g.HandleBatch = func(ctx context.Context, _ pgx.Tx, _ []order.Confirmed) error { return work(ctx) }
+	} else {
+		g.Handle = func(ctx context.Context, _ pgx.Tx, _ order.Confirmed) error { return work(ctx) }
+	}
+	stop := run(t, e.config(g))
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler never ran")
+	}
+	start := time.Now()
+	stop()
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("stop took %s: it waited for the handler instead of ending its attempt", took.Round(time.Millisecond))
+	}
+	if n := effects(t, e.pool, r.group); n != 0 {
+		t.Fatalf("%d effects of a handler stopped mid-work", n)
+	}
+}
