@@ -13,6 +13,8 @@
 #                         broker also a controller; replication factor 3,
 #                         min.insync.replicas 2), printing its bootstrap list
 #   dev/kafka.sh cluster kill N|start N       kill -9 broker N (1-3), start it again
+#   dev/kafka.sh secure start|stop|status    a broker with SASL/SCRAM-SHA-512 and
+#                         ACLs (see the section below), printing its address
 #
 # Settings: ONCE_KAFKA_PORT (19092), ONCE_KAFKA_CONTROLLER_PORT (19093),
 # ONCE_DEV_DIR (.dev in the repository), ONCE_KAFKA_HEAP (512m); the cluster:
@@ -289,8 +291,103 @@ cluster() {
 	esac
 }
 
+# --- a secured broker: SASL/SCRAM and ACLs -------------------------------
+# Clients connect to SASL_PLAINTEXT on ONCE_KAFKA_SECURE_PORT (19392) and
+# authenticate with SCRAM-SHA-512; the StandardAuthorizer denies what no ACL
+# allows. The admin user (password admin-secret, a dev-only credential) is a
+# super user and makes the other users and their ACLs (the tests do, through
+# the Admin API). Broker-to-broker and controller traffic stays on loopback
+# listeners of their own.
+sport=${ONCE_KAFKA_SECURE_PORT:-19392}
+sdir=$dev_dir/kafka-secure
+secure_config() {
+	mkdir -p "$sdir/data"
+	cat >"$sdir/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$((sport + 1))
+listeners=SASL_PLAINTEXT://127.0.0.1:$sport,CONTROLLER://127.0.0.1:$((sport + 1)),INTERNAL://127.0.0.1:$((sport + 2))
+advertised.listeners=SASL_PLAINTEXT://127.0.0.1:$sport,INTERNAL://127.0.0.1:$((sport + 2))
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=INTERNAL
+listener.security.protocol.map=SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT,INTERNAL:PLAINTEXT
+sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:admin;User:ANONYMOUS
+log.dirs=$sdir/data
+num.partitions=1
+offsets.topic.num.partitions=2
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+PROPS
+}
+
+secure_pid() {
+	local pid
+	[[ -f $sdir/kafka.pid ]] || return 1
+	pid=$(cat "$sdir/kafka.pid")
+	if kill -0 "$pid" 2>/dev/null && grep -q kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null; then
+		echo "$pid"
+		return 0
+	fi
+	rm -f "$sdir/kafka.pid"
+	return 1
+}
+
+secure() {
+	case ${1:-} in
+	start)
+		if secure_pid >/dev/null; then echo "127.0.0.1:$sport"; return; fi
+		resolve_jars
+		secure_config
+		if [[ ! -f $sdir/data/meta.properties ]]; then
+			java_run kafka.tools.StorageTool format --ignore-formatted -t "$(java_run kafka.tools.StorageTool random-uuid)" \
+				-c "$sdir/server.properties" --add-scram 'SCRAM-SHA-512=[name=admin,password=admin-secret]' >"$sdir/format.log" 2>&1 ||
+				{ log "formatting the secured broker failed:"; cat "$sdir/format.log" >&2; exit 1; }
+		fi
+		printf 'security.protocol=SASL_PLAINTEXT\nsasl.mechanism=SCRAM-SHA-512\nsasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="admin-secret";\n' >"$sdir/admin.properties"
+		local t0=$SECONDS
+		setsid java -Xms256m -Xmx256m -XX:+UseG1GC -XX:TieredStopAtLevel=1 -Dorg.slf4j.simpleLogger.defaultLogLevel=warn \
+			-cp "$lib/*" kafka.Kafka "$sdir/server.properties" </dev/null >"$sdir/kafka.log" 2>&1 &
+		echo $! >"$sdir/kafka.pid"
+		for _ in $(seq 1 120); do
+			if ! secure_pid >/dev/null; then log "secured broker exited; see $sdir/kafka.log"; tail -20 "$sdir/kafka.log" >&2; exit 1; fi
+			if java_run org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$sport" --command-config "$sdir/admin.properties" --list >/dev/null 2>&1; then
+				log "secured broker ready in $((SECONDS - t0))s"
+				echo "127.0.0.1:$sport"
+				return
+			fi
+			sleep 1
+		done
+		log "secured broker not ready after 120s; see $sdir/kafka.log"
+		secure stop
+		exit 1
+		;;
+	stop)
+		local pid
+		if pid=$(secure_pid); then
+			kill "$pid"
+			for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+			kill -9 "$pid" 2>/dev/null || true
+			rm -f "$sdir/kafka.pid"
+			log "secured broker stopped"
+		fi
+		;;
+	status) if pid=$(secure_pid); then echo "running (pid $pid) on 127.0.0.1:$sport"; else echo "not running"; exit 1; fi ;;
+	*) echo "usage: $0 secure start|stop|status" >&2; exit 2 ;;
+	esac
+}
+
 case ${1:-} in
 start) start ;;
+secure) shift; secure "$@" ;;
 stop) stop ;;
 kill) kill_broker ;;
 cluster) shift; cluster "$@" ;;

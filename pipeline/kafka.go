@@ -45,6 +45,7 @@ func saramaBase(version sarama.KafkaVersion, clientID string) *sarama.Config {
 
 func subscriberSaramaConfig(cfg Config, version sarama.KafkaVersion, group string) *sarama.Config {
 	c := saramaBase(version, "once-"+group)
+	cfg.Security.Apply(c)
 	c.Consumer.Return.Errors = true
 	// A new group must see the topic's history, not only what arrives after it joined.
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
@@ -94,14 +95,24 @@ func ParseKafkaVersion(s string) (sarama.KafkaVersion, error) {
 }
 
 // EnsureTopics creates the topics that do not exist yet.
-func EnsureTopics(ctx context.Context, brokers []string, version sarama.KafkaVersion, partitions int32, replication int16, topics ...string) error {
-	admin, err := sarama.NewClusterAdmin(brokers, saramaBase(version, "once-admin"))
+func EnsureTopics(ctx context.Context, brokers []string, version sarama.KafkaVersion, sec KafkaSecurity, partitions int32, replication int16, topics ...string) error {
+	ac := saramaBase(version, "once-admin")
+	sec.Apply(ac)
+	admin, err := sarama.NewClusterAdmin(brokers, ac)
 	if err != nil {
 		return fmt.Errorf("kafka admin on %v: %w", brokers, err)
 	}
 	defer admin.Close()
 	for _, topic := range topics {
 		err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: replication}, false)
+		if errors.Is(err, sarama.ErrTopicAuthorizationFailed) || errors.Is(err, sarama.ErrClusterAuthorizationFailed) {
+			// A least-privilege principal may not create topics; one that
+			// exists already is all it needs.
+			if meta, derr := admin.DescribeTopics([]string{topic}); derr == nil && len(meta) == 1 && meta[0].Err == sarama.ErrNoError {
+				continue
+			}
+			return fmt.Errorf("%s may neither CREATE topic %s nor DESCRIBE it (consuming needs READ and DESCRIBE on it): %w", sec.principal(), topic, err)
+		}
 		if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
 			return fmt.Errorf("create topic %s: %w", topic, err)
 		}

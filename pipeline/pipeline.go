@@ -96,6 +96,9 @@ type Config struct {
 	// OnBatch is called after each batch of a batched group. Default: none.
 	OnBatch func(BatchDone)
 
+	// Security of every Kafka connection. Default: plaintext, no SASL.
+	Security KafkaSecurity
+
 	// Logger. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -191,6 +194,9 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if len(c.Brokers) == 0 {
 		errs = append(errs, errors.New("pipeline: Brokers is empty"))
 	}
+	if err := c.Security.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("pipeline: Security: %w", err))
+	}
 	if len(c.Topics) == 0 {
 		errs = append(errs, errors.New("pipeline: no Topics"))
 	}
@@ -282,7 +288,9 @@ func New(cfg Config) (*Pipeline, error) {
 		}
 		p.router, p.ownRouter = r, true
 	}
-	p.producer, err = sarama.NewSyncProducer(cfg.Brokers, PublisherSaramaConfig(version))
+	pc := PublisherSaramaConfig(version)
+	cfg.Security.Apply(pc)
+	p.producer, err = sarama.NewSyncProducer(cfg.Brokers, pc)
 	if err != nil {
 		return nil, fmt.Errorf("pipeline: kafka producer on %v: %w", cfg.Brokers, err)
 	}

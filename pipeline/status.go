@@ -99,24 +99,10 @@ type PartitionLag struct {
 func (p *Pipeline) Lag(ctx context.Context) ([]PartitionLag, error) {
 	p.lagMu.Lock()
 	defer p.lagMu.Unlock()
-	select {
-	case <-p.stopping:
-		return nil, errors.New("pipeline: stopped")
-	default:
+	client, admin, err := p.kafkaAdmin()
+	if err != nil {
+		return nil, err
 	}
-	if p.lagClient == nil {
-		client, err := sarama.NewClient(p.cfg.Brokers, PublisherSaramaConfig(p.version))
-		if err != nil {
-			return nil, fmt.Errorf("pipeline: kafka client for lag on %v: %w", p.cfg.Brokers, err)
-		}
-		admin, err := sarama.NewClusterAdminFromClient(client)
-		if err != nil {
-			_ = client.Close()
-			return nil, fmt.Errorf("pipeline: kafka admin for lag: %w", err)
-		}
-		p.lagClient, p.lagAdmin = client, admin
-	}
-	client, admin := p.lagClient, p.lagAdmin
 	var out []PartitionLag
 	var errs []error
 	for _, g := range p.groups {
@@ -155,6 +141,95 @@ func (p *Pipeline) Lag(ctx context.Context) ([]PartitionLag, error) {
 		}
 	}
 	return out, errors.Join(errs...)
+}
+
+// kafkaAdmin is the pipeline's Kafka client for Lag and CheckAccess, made
+// on first use. Caller holds lagMu.
+func (p *Pipeline) kafkaAdmin() (sarama.Client, sarama.ClusterAdmin, error) {
+	select {
+	case <-p.stopping:
+		return nil, nil, errors.New("pipeline: stopped")
+	default:
+	}
+	if p.lagClient == nil {
+		cc := PublisherSaramaConfig(p.version)
+		p.cfg.Security.Apply(cc)
+		client, err := sarama.NewClient(p.cfg.Brokers, cc)
+		if err != nil {
+			return nil, nil, fmt.Errorf("pipeline: kafka client on %v: %w", p.cfg.Brokers, err)
+		}
+		admin, err := sarama.NewClusterAdminFromClient(client)
+		if err != nil {
+			_ = client.Close()
+			return nil, nil, fmt.Errorf("pipeline: kafka admin: %w", err)
+		}
+		p.lagClient, p.lagAdmin = client, admin
+	}
+	return p.lagClient, p.lagAdmin, nil
+}
+
+// CheckAccess asks Kafka, before anything is consumed, whether this
+// process's principal may describe every topic, dead-letter topic and
+// consumer group of the pipeline: a missing ACL then stops start-up with
+// its name, rather than surfacing later as consumer errors in the logs.
+// (Whether it may write to a dead-letter topic shows only when a letter is
+// published; the drainer's log line names that topic and the cause.)
+func (p *Pipeline) CheckAccess(ctx context.Context) error {
+	p.lagMu.Lock()
+	defer p.lagMu.Unlock()
+	_, admin, err := p.kafkaAdmin()
+	if err != nil {
+		return err
+	}
+	principal := p.cfg.Security.principal()
+	var topics []string
+	for _, g := range p.groups {
+		if !slices.Contains(topics, g.topic) {
+			topics = append(topics, g.topic)
+		}
+	}
+	for _, t := range p.dlqTopics {
+		if !slices.Contains(topics, t) {
+			topics = append(topics, t)
+		}
+	}
+	var errs []error
+	meta, err := admin.DescribeTopics(topics)
+	if err != nil {
+		return fmt.Errorf("pipeline: describe topics %v: %w", topics, err)
+	}
+	for _, m := range meta {
+		switch {
+		case errors.Is(m.Err, sarama.ErrTopicAuthorizationFailed):
+			what := "READ and DESCRIBE (to consume it)"
+			if slices.Contains(p.dlqTopics, m.Name) {
+				what = "WRITE and DESCRIBE (to publish dead letters)"
+			}
+			errs = append(errs, fmt.Errorf("%s is not authorized on topic %s: it needs %s", principal, m.Name, what))
+		case m.Err != sarama.ErrNoError:
+			errs = append(errs, fmt.Errorf("topic %s: %w", m.Name, m.Err))
+		}
+	}
+	checked := map[string]bool{}
+	for _, g := range p.groups {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if checked[g.group] {
+			continue
+		}
+		checked[g.group] = true
+		resp, err := admin.ListConsumerGroupOffsets(g.group, nil)
+		if err == nil && resp.Err != sarama.ErrNoError {
+			err = resp.Err
+		}
+		if errors.Is(err, sarama.ErrGroupAuthorizationFailed) {
+			errs = append(errs, fmt.Errorf("%s is not authorized on consumer group %s: it needs READ and DESCRIBE on the group", principal, g.group))
+		} else if err != nil {
+			errs = append(errs, fmt.Errorf("consumer group %s: %w", g.group, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // lagState is the pipeline's lazily made Kafka client for Lag.

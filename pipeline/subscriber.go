@@ -293,8 +293,8 @@ func revokedOf(msg *message.Message) <-chan struct{} {
 // offsets committed every second up to the first unacknowledged message.
 // Pipelines make their own; this is for tools that measure the pipeline
 // against the bare subscriber, and for chains built by hand.
-func NewSubscriber(brokers []string, group, kafkaVersion string, window int, logger *slog.Logger) (message.Subscriber, error) {
-	cfg := Config{Brokers: brokers, KafkaVersion: kafkaVersion, Logger: logger}
+func NewSubscriber(brokers []string, group, kafkaVersion string, sec KafkaSecurity, window int, logger *slog.Logger) (message.Subscriber, error) {
+	cfg := Config{Brokers: brokers, KafkaVersion: kafkaVersion, Security: sec, Logger: logger}
 	cfg.setDefaults()
 	version, err := ParseKafkaVersion(cfg.KafkaVersion)
 	if err != nil {

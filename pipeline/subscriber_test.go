@@ -25,7 +25,7 @@ func TestTheWindowCommitsOnlyBelowTheFirstUnacknowledgedMessage(t *testing.T) {
 	for i := range n {
 		testenv.Publish(t, producer, topic, "k", []byte(fmt.Sprint(i)))
 	}
-	sub, err := pipeline.NewSubscriber(brokers, group, pipeline.DefaultKafkaVersion, 10, quietLogger())
+	sub, err := pipeline.NewSubscriber(brokers, group, pipeline.DefaultKafkaVersion, pipeline.KafkaSecurity{}, 10, quietLogger())
 	if err != nil {
 		t.Fatal(err)
 	}

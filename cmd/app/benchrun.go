@@ -340,7 +340,7 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 // limit), B decodes it and runs the analytics upsert in a transaction of its
 // own, without a claim (the unsafe baseline).
 func (b *benchRunCmd) bare(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
-	sub, err := pipeline.NewSubscriber(b.Brokers, b.Group, b.KafkaVersion, 1, log)
+	sub, err := pipeline.NewSubscriber(b.Brokers, b.Group, b.KafkaVersion, pipeline.KafkaSecurity{}, 1, log)
 	if err != nil {
 		return err
 	}

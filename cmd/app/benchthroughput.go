@@ -111,7 +111,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	topicOf := map[int32]string{}
 	for _, p := range slices.Sorted(maps.Keys(counts)) {
 		topic := fmt.Sprintf("%s.p%d", run, p)
-		if err := pipeline.EnsureTopics(ctx, b.Brokers, version, p, 1, topic); err != nil {
+		if err := pipeline.EnsureTopics(ctx, b.Brokers, version, pipeline.KafkaSecurity{}, p, 1, topic); err != nil {
 			return err
 		}
 		topics, topicOf[p] = append(topics, topic), topic

@@ -12,7 +12,6 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
-	"github.com/once-dev/once/pipeline"
 )
 
 type dlqCmd struct {
@@ -77,7 +76,7 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 	}
 	p := progress.New(d.stderr)
 	p.Set("reading %s", strings.Join(dlqs, ", "))
-	entries, err := dlq.List(ctx, dlq.ListConfig{Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
+	entries, err := dlq.List(ctx, dlq.ListConfig{Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(),
 		DLQTopics: dlqs, Filter: f, Limit: c.Limit})
 	p.Done()
 	if err != nil {
@@ -155,7 +154,7 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	total.ByTopic = map[string]int64{}
 	for _, topic := range c.Kafka.topics(c.Kafka.TopicSuffix) {
 		rep, err := dlq.Replay(ctx, dlq.Config{
-			Brokers: c.Kafka.Brokers, Sarama: pipeline.PublisherSaramaConfig(c.Kafka.version),
+			Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(),
 			DLQTopic: dlqOf(topic), Topic: topic, Group: c.Group, MaxAge: c.MaxAge, Filter: f,
 			Progress: func(done, n int64) { p.Set("replaying %s: %d/%d", dlqOf(topic), done, n) },
 		})

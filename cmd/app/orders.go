@@ -14,7 +14,6 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/outbox"
-	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/orders"
 )
@@ -70,7 +69,7 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	if err := svc.Init(ctx); err != nil {
 		return err
 	}
-	producer, err := sarama.NewSyncProducer(c.Kafka.Brokers, pipeline.PublisherSaramaConfig(c.Kafka.version))
+	producer, err := sarama.NewSyncProducer(c.Kafka.Brokers, c.Kafka.saramaConfig())
 	if err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}

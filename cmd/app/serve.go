@@ -263,6 +263,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	cfg := pipeline.Config{
 		Brokers:          s.Kafka.Brokers,
 		KafkaVersion:     s.Kafka.KafkaVersion,
+		Security:         s.Kafka.security,
 		DB:               pool,
 		Topics:           bindings,
 		MaxEventAge:      s.Retention.Retention - s.MaxClockSkew,
@@ -357,6 +358,10 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 				}
 			}
 		})
+	}
+	if err := p.CheckAccess(ctx); err != nil {
+		p.Close()
+		return fmt.Errorf("KAFKA_BROKERS (%s): %w", s.Kafka.security, err)
 	}
 	o.watch(ctx, p, pools.all...)
 	go func() {

@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -26,7 +29,55 @@ type kafkaSettings struct {
 	Partitions        int32    `name:"partitions" env:"ONCE_PARTITIONS" default:"6" help:"Partitions of the topics when this service creates them."`
 	ReplicationFactor int16    `name:"replication-factor" env:"ONCE_REPLICATION_FACTOR" default:"1" help:"Replication factor of the topics when this service creates them."`
 
-	version sarama.KafkaVersion
+	TLS              bool   `name:"kafka-tls" env:"KAFKA_TLS" help:"Encrypt every Kafka connection with TLS."`
+	TLSCA            string `name:"kafka-tls-ca" env:"KAFKA_TLS_CA" placeholder:"PEM-FILE" help:"CA certificates the brokers' certificates are checked against (default: the system's)."`
+	SASLMechanism    string `name:"kafka-sasl-mechanism" env:"KAFKA_SASL_MECHANISM" enum:",SCRAM-SHA-512,SCRAM-SHA-256,PLAIN" default:"" help:"SASL mechanism: SCRAM-SHA-512, SCRAM-SHA-256, or PLAIN (over --kafka-tls only). The password comes from KAFKA_SASL_PASSWORD or --kafka-sasl-password-file, never from a flag."`
+	SASLUser         string `name:"kafka-sasl-user" env:"KAFKA_SASL_USER" help:"SASL user."`
+	SASLPasswordFile string `name:"kafka-sasl-password-file" env:"KAFKA_SASL_PASSWORD_FILE" placeholder:"FILE" help:"File holding the SASL password (a mounted secret)."`
+
+	version  sarama.KafkaVersion
+	security pipeline.KafkaSecurity
+}
+
+// saramaConfig is the producer configuration with the settings' security,
+// for the tools and services that talk to Kafka outside a pipeline.
+func (k *kafkaSettings) saramaConfig() *sarama.Config {
+	c := pipeline.PublisherSaramaConfig(k.version)
+	k.security.Apply(c)
+	return c
+}
+
+// loadSecurity reads the TLS and SASL settings; secrets come from the
+// environment or a file only.
+func (k *kafkaSettings) loadSecurity() error {
+	sec := pipeline.KafkaSecurity{SASLMechanism: k.SASLMechanism, User: k.SASLUser}
+	if k.TLS || k.TLSCA != "" {
+		sec.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
+		if k.TLSCA != "" {
+			pem, err := os.ReadFile(k.TLSCA)
+			if err != nil {
+				return fmt.Errorf("--kafka-tls-ca (KAFKA_TLS_CA): %w", err)
+			}
+			pool := x509.NewCertPool()
+			if !pool.AppendCertsFromPEM(pem) {
+				return fmt.Errorf("--kafka-tls-ca (KAFKA_TLS_CA) %s: no PEM certificate in it", k.TLSCA)
+			}
+			sec.TLS.RootCAs = pool
+		}
+	}
+	sec.Password = os.Getenv("KAFKA_SASL_PASSWORD")
+	if k.SASLPasswordFile != "" {
+		b, err := os.ReadFile(k.SASLPasswordFile)
+		if err != nil {
+			return fmt.Errorf("--kafka-sasl-password-file (KAFKA_SASL_PASSWORD_FILE): %w", err)
+		}
+		sec.Password = strings.TrimRight(string(b), "\r\n")
+	}
+	if err := sec.Validate(); err != nil {
+		return fmt.Errorf("--kafka-sasl-mechanism, --kafka-sasl-user, KAFKA_SASL_PASSWORD, --kafka-tls: %w", err)
+	}
+	k.security = sec
+	return nil
 }
 
 // Validate is called by kong after parsing; its errors name the setting.
@@ -44,6 +95,9 @@ func (k *kafkaSettings) Validate() error {
 		return fmt.Errorf("--kafka-version (KAFKA_VERSION): %w", err)
 	}
 	k.version = v
+	if err := k.loadSecurity(); err != nil {
+		return err
+	}
 	names := map[string]string{}
 	for flag, name := range map[string]string{"--confirmed-topic": k.ConfirmedTopic, "--cancelled-topic": k.CancelledTopic, "--payment-topic": k.PaymentTopic} {
 		if name == "" {
@@ -82,7 +136,7 @@ func (k *kafkaSettings) ensureTopics(ctx context.Context) error {
 	for _, t := range []string{k.confirmed(), k.cancelled(), k.payments()} {
 		all = append(all, t, dlqOf(t))
 	}
-	return pipeline.EnsureTopics(ctx, k.Brokers, k.version, k.Partitions, k.ReplicationFactor, all...)
+	return pipeline.EnsureTopics(ctx, k.Brokers, k.version, k.security, k.Partitions, k.ReplicationFactor, all...)
 }
 
 type dbSettings struct {

@@ -180,7 +180,7 @@ func (r *run) execute(ctx context.Context) (Summary, error) {
 	for _, t := range r.topics() {
 		all = append(all, t, dlqOf(t))
 	}
-	if err := pipeline.EnsureTopics(ctx, r.cfg.Brokers, r.version, r.cfg.Partitions, 1, all...); err != nil {
+	if err := pipeline.EnsureTopics(ctx, r.cfg.Brokers, r.version, pipeline.KafkaSecurity{}, r.cfg.Partitions, 1, all...); err != nil {
 		return Summary{}, err
 	}
 
