@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"github.com/once-dev/once/internal/tracing"
+	"go.opentelemetry.io/otel"
 	"log/slog"
 	"regexp"
 	"time"
@@ -144,6 +146,11 @@ func (o *Outbox) Publish(ctx context.Context, tx pgx.Tx, msgs ...Message) error 
 		wm.SetContext(ctx)
 		for k, v := range m.Headers {
 			wm.Metadata.Set(k, v)
+		}
+		if wm.Metadata.Get("traceparent") == "" {
+			// The event carries the trace of the work that wrote it: the
+			// order service's request, a consumer's handling.
+			otel.GetTextMapPropagator().Inject(ctx, tracing.MetadataCarrier(wm.Metadata))
 		}
 		wm.Metadata.Set(MetaKey, m.Key)
 		if err := fw.Publish(m.Topic, wm); err != nil {

@@ -4,6 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/once-dev/once/internal/tracing"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 	"log/slog"
 	"time"
 
@@ -51,6 +56,9 @@ const maxReasonBytes = 4 << 10
 
 type deliveryCtxKey struct{}
 
+// tracer is the global provider's: a no-op until a process installs one.
+var tracer = otel.Tracer("github.com/once-dev/once/pipeline")
+
 // deliveryInfo is what the chain knows of a delivery from its start: the
 // subscriber's context, and where the message came from.
 type deliveryInfo struct {
@@ -71,9 +79,22 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			// The claim is looked up here once: later lookups find it a few
 			// contexts up instead of at the bottom of the router's chain.
 			c, _ := claimOf(msg)
-			msg.SetContext(context.WithValue(orig, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c}))
+			// The producer's trace continues here: the handler's context
+			// carries this span to the provider's HTTP request and into the
+			// events it publishes through the outbox.
+			ctx := otel.GetTextMapPropagator().Extract(orig, tracing.MetadataCarrier(msg.Metadata))
+			ctx, span := tracer.Start(ctx, "process "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
+				trace.WithAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
+					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
+					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition))))
+			defer span.End()
+			msg.SetContext(context.WithValue(ctx, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c}))
 			defer msg.SetContext(orig)
-			return h(msg)
+			out, err := h(msg)
+			if err != nil {
+				span.SetStatus(codes.Error, err.Error())
+			}
+			return out, err
 		}
 	}
 }

@@ -8,12 +8,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/once-dev/once/internal/tracing"
 	"io"
 	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/alecthomas/kong"
 
@@ -45,8 +47,9 @@ type exitCode int
 func (e exitCode) Error() string { return fmt.Sprintf("exit %d", int(e)) }
 
 type cli struct {
-	LogLevel  slog.Level `name:"log-level" env:"ONCE_LOG_LEVEL" default:"info" help:"Log level: debug, info, warn, error."`
-	LogFormat string     `name:"log-format" env:"ONCE_LOG_FORMAT" default:"text" enum:"text,json" help:"Log format: text or json."`
+	LogLevel     slog.Level `name:"log-level" env:"ONCE_LOG_LEVEL" default:"info" help:"Log level: debug, info, warn, error."`
+	LogFormat    string     `name:"log-format" env:"ONCE_LOG_FORMAT" default:"text" enum:"text,json" help:"Log format: text or json."`
+	OTLPEndpoint string     `name:"otlp-endpoint" env:"OTEL_EXPORTER_OTLP_ENDPOINT" help:"Export traces over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/traces); empty: no tracing recorded (W3C trace context is still passed on)."`
 
 	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
 	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
@@ -106,6 +109,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 	}
 	log := newLogger(stderr, c.LogLevel, c.LogFormat)
 	slog.SetDefault(log)
+	shutdown, err := tracing.Setup(ctx, "once-"+strings.Fields(kctx.Command())[0], c.OTLPEndpoint)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if serr := shutdown(sctx); serr != nil {
+			log.Warn("flushing traces", "err", serr)
+		}
+	}()
 	kctx.BindTo(ctx, (*context.Context)(nil))
 	return kctx.Run(deps{log: log, stdout: stdout, stderr: stderr})
 }

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
 	"net"
 	"net/http"
 	"strconv"
@@ -164,6 +166,11 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 		w.WriteHeader(http.StatusAccepted)
 		_ = json.NewEncoder(w).Encode(ev)
 	})
-	httpErr := serveHTTP(ctx, d, "order API", c.Listen, mux)
+	// A caller's trace (its traceparent header) continues into the order
+	// and its event.
+	traced := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mux.ServeHTTP(w, r.WithContext(otel.GetTextMapPropagator().Extract(r.Context(), propagation.HeaderCarrier(r.Header))))
+	})
+	httpErr := serveHTTP(ctx, d, "order API", c.Listen, traced)
 	return errors.Join(httpErr, <-errc)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"go.opentelemetry.io/otel"
 	"log/slog"
 	"strconv"
 	"time"
@@ -107,6 +108,10 @@ func (s *Service) Confirm(ctx context.Context, req ConfirmRequest) (order.Confir
 // ConfirmInTx writes the order and its event into tx. Nothing reaches Kafka
 // unless tx commits.
 func (s *Service) ConfirmInTx(ctx context.Context, tx pgx.Tx, req ConfirmRequest) (order.Confirmed, error) {
+	// The order's trace starts here (or continues a caller's): the event
+	// carries it to every consumer, and billing to the provider.
+	ctx, span := otel.Tracer("github.com/once-dev/once/service/orders").Start(ctx, "orders.confirm")
+	defer span.End()
 	now := s.cfg.Now()
 	eventID, err := uuid.NewV7()
 	if err != nil {

@@ -6,6 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"io"
 	"net/http"
 	"strconv"
@@ -292,6 +295,10 @@ func (c *Client) attempt(ctx context.Context, path string, body []byte, key stri
 	if err != nil {
 		return false, backoff.Permanent(fmt.Errorf("payment: build request: %w", err))
 	}
+	ctx, span := otel.Tracer("github.com/once-dev/once/service/payment").Start(ctx, "POST "+path, trace.WithSpanKind(trace.SpanKindClient))
+	defer span.End()
+	r = r.WithContext(ctx)
+	otel.GetTextMapPropagator().Inject(ctx, propagation.HeaderCarrier(r.Header))
 	r.Header.Set("Content-Type", "application/json")
 	r.Header.Set(HeaderIdempotencyKey, key)
 	if c.cfg.APIKey != "" {
