@@ -32,6 +32,7 @@ type serveCmd struct {
 	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
 	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"A database of its own for a group (its claims and its tables), e.g. billing=postgres://...; groups not listed use --database-url."`
 
+	AnalyticsBatch int           `name:"analytics-batch" env:"ONCE_ANALYTICS_BATCH" default:"0" help:"Group commit for analytics on order.confirmed: up to this many events per transaction (pipeline.Batch); 0 commits each event on its own."`
 	Groups         []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
 	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
 	CommitInt      time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
@@ -75,7 +76,11 @@ type groupDeps struct {
 var handlers = map[string]func(groupDeps, *topics) error{
 	"analytics": func(d groupDeps, t *topics) error {
 		h := analytics.Handler{}
-		t.confirmed.Groups = append(t.confirmed.Groups, pipeline.Group[order.Confirmed]{Name: d.name, Handle: h.OnConfirmed, DB: d.db, TooOld: d.s.tooOld("analytics")})
+		g := pipeline.Group[order.Confirmed]{Name: d.name, Handle: h.OnConfirmed, DB: d.db, TooOld: d.s.tooOld("analytics")}
+		if d.s.AnalyticsBatch > 0 {
+			g.Handle, g.HandleBatch, g.Batch = nil, h.OnConfirmedBatch, pipeline.Batch{Size: d.s.AnalyticsBatch}
+		}
+		t.confirmed.Groups = append(t.confirmed.Groups, g)
 		t.payments.Groups = append(t.payments.Groups, pipeline.Group[order.Payment]{Name: d.name, Handle: h.OnPayment, DB: d.db, TooOld: d.s.tooOld("analytics")})
 		return nil
 	},
@@ -126,6 +131,9 @@ func (s *serveCmd) Validate() error {
 	}
 	if s.CommitInt <= 0 {
 		return fmt.Errorf("--commit-interval (ONCE_COMMIT_INTERVAL) must be positive")
+	}
+	if s.AnalyticsBatch < 0 {
+		return fmt.Errorf("--analytics-batch (ONCE_ANALYTICS_BATCH) must not be negative")
 	}
 	if s.DrainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout (ONCE_DRAIN_TIMEOUT) must be positive")
