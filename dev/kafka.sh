@@ -74,18 +74,22 @@ auto.create.topics.enable=false
 PROPS
 }
 
-running_pid() {
-	[[ -f $pidfile ]] || return 1
-	local pid
-	pid=$(cat "$pidfile")
+# broker_pid FILE: the PID of the broker FILE names, if it still runs; a
+# stale file is removed.
+broker_pid() {
+	local f=$1 pid
+	[[ -f $f ]] || return 1
+	pid=$(cat "$f")
 	if kill -0 "$pid" 2>/dev/null && grep -q kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null; then
 		echo "$pid"
 		return 0
 	fi
-	log "removing stale PID file (process $pid is gone)"
-	rm -f "$pidfile"
+	log "removing stale PID file $f (process $pid is gone)"
+	rm -f "$f"
 	return 1
 }
+
+running_pid() { broker_pid "$pidfile"; }
 
 ready() { java_run org.apache.kafka.tools.TopicCommand --bootstrap-server "$bootstrap" --list >/dev/null 2>&1; }
 
@@ -135,10 +139,11 @@ start() {
 	exit 1
 }
 
-stop() {
+# stop_broker FILE NAME: stop the broker FILE names, kill -9 after 30s.
+stop_broker() {
 	local pid
-	if ! pid=$(running_pid); then
-		log "not running"
+	if ! pid=$(broker_pid "$1"); then
+		log "$2: not running"
 		return
 	fi
 	kill "$pid"
@@ -147,12 +152,14 @@ stop() {
 		sleep 0.5
 	done
 	if kill -0 "$pid" 2>/dev/null; then
-		log "did not stop in 30s; killing"
+		log "$2: did not stop in 30s; killing"
 		kill -9 "$pid" 2>/dev/null || true
 	fi
-	rm -f "$pidfile"
-	log "stopped (pid $pid)"
+	rm -f "$1"
+	log "$2: stopped (pid $pid)"
 }
+
+stop() { stop_broker "$pidfile" broker; }
 
 kill_broker() {
 	local pid
@@ -204,17 +211,7 @@ unclean.leader.election.enable=false
 PROPS
 }
 
-cluster_pid() { # node
-	local f=$cdir/$1/kafka.pid pid
-	[[ -f $f ]] || return 1
-	pid=$(cat "$f")
-	if kill -0 "$pid" 2>/dev/null && grep -q kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null; then
-		echo "$pid"
-		return 0
-	fi
-	rm -f "$f"
-	return 1
-}
+cluster_pid() { broker_pid "$cdir/$1/kafka.pid"; } # node
 
 cluster_start_node() { # node
 	local n=$1
@@ -258,16 +255,8 @@ cluster() {
 		exit 1
 		;;
 	stop)
-		local n pid
-		for n in 1 2 3; do
-			if pid=$(cluster_pid "$n"); then
-				kill "$pid"
-				for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-				kill -9 "$pid" 2>/dev/null || true
-				rm -f "$cdir/$n/kafka.pid"
-			fi
-		done
-		log "cluster stopped"
+		local n
+		for n in 1 2 3; do stop_broker "$cdir/$n/kafka.pid" "cluster node $n"; done
 		;;
 	kill)
 		local pid
@@ -329,17 +318,7 @@ auto.create.topics.enable=false
 PROPS
 }
 
-secure_pid() {
-	local pid
-	[[ -f $sdir/kafka.pid ]] || return 1
-	pid=$(cat "$sdir/kafka.pid")
-	if kill -0 "$pid" 2>/dev/null && grep -q kafka.Kafka "/proc/$pid/cmdline" 2>/dev/null; then
-		echo "$pid"
-		return 0
-	fi
-	rm -f "$sdir/kafka.pid"
-	return 1
-}
+secure_pid() { broker_pid "$sdir/kafka.pid"; }
 
 secure() {
 	case ${1:-} in
@@ -370,16 +349,7 @@ secure() {
 		secure stop
 		exit 1
 		;;
-	stop)
-		local pid
-		if pid=$(secure_pid); then
-			kill "$pid"
-			for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-			kill -9 "$pid" 2>/dev/null || true
-			rm -f "$sdir/kafka.pid"
-			log "secured broker stopped"
-		fi
-		;;
+	stop) stop_broker "$sdir/kafka.pid" "secured broker" ;;
 	status) if pid=$(secure_pid); then echo "running (pid $pid) on 127.0.0.1:$sport"; else echo "not running"; exit 1; fi ;;
 	*) echo "usage: $0 secure start|stop|status" >&2; exit 2 ;;
 	esac

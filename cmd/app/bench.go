@@ -14,7 +14,6 @@ import (
 
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/retention"
-	"github.com/once-dev/once/service/migrations"
 )
 
 type benchRetentionCmd struct {
@@ -46,14 +45,11 @@ SELECT id, 'billing', '\x00' FROM unnest($1::uuid[]) AS id ON CONFLICT DO NOTHIN
 )
 
 func (b *benchRetentionCmd) Run(ctx context.Context, d deps) error {
-	pool, err := b.DB.connect(ctx)
+	pool, err := b.DB.open(ctx, d, true)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if _, err := migrations.Up(ctx, pool); err != nil {
-		return err
-	}
 	var version string
 	var fsync string
 	_ = pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync')`).Scan(&version, &fsync)

@@ -24,7 +24,6 @@ import (
 
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/migrations"
 )
 
 type benchCmd struct {
@@ -78,14 +77,11 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return fmt.Errorf("--kafka-version (KAFKA_VERSION): %w", err)
 	}
-	pool, err := b.DB.connect(ctx)
+	pool, err := b.DB.open(ctx, d, true)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if _, err := migrations.Up(ctx, pool); err != nil {
-		return err
-	}
 	var server, fsync, syncCommit string
 	_ = pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).Scan(&server, &fsync, &syncCommit)
 
