@@ -5,8 +5,6 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
-	"github.com/once-dev/once/internal/tracing"
-	"go.opentelemetry.io/otel"
 	"log/slog"
 	"regexp"
 	"time"
@@ -19,6 +17,9 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel"
+
+	"github.com/once-dev/once/internal/tracing"
 )
 
 // DB is a database with an outbox: *pgxpool.Pool implements it.

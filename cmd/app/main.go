@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/once-dev/once/internal/tracing"
 	"io"
 	"log/slog"
 	"os"
@@ -20,6 +19,7 @@ import (
 	"github.com/alecthomas/kong"
 
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/pipeline"
 )
 
