@@ -274,8 +274,9 @@ func (s *scenario) consumer(name string, extra ...string) *proc {
 
 func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc {
 	s.t.Helper()
+	env = append([]string{"PAYMENT_API_KEY=" + s.account}, env...) // a secret: never a flag
 	args := append([]string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
-		"--groups", "billing,analytics", "--payment-url", s.providerURL, "--payment-api-key", s.account,
+		"--groups", "billing,analytics", "--payment-url", s.providerURL,
 		"--session-timeout", "6s", "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
 		"--log-level", "debug", "--log-format", "json"}, extra...)
 	return s.startEnv(name, env, args...)

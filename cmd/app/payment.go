@@ -1,11 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/shopspring/decimal"
@@ -16,14 +19,15 @@ import (
 // paymentSettings configure billing's client of the payment provider.
 type paymentSettings struct {
 	URL          string        `name:"url" env:"PAYMENT_URL" default:"http://127.0.0.1:18080" help:"Base URL of the payment provider."`
-	APIKey       string        `name:"api-key" env:"PAYMENT_API_KEY" default:"acct_once" help:"Merchant account (bearer token); the provider scopes idempotency keys to it."`
+	APIKeyFile   string        `name:"api-key-file" env:"PAYMENT_API_KEY_FILE" placeholder:"FILE" help:"File holding the merchant account's key (bearer token; the provider scopes idempotency keys to it). Or PAYMENT_API_KEY; never a flag. Default: acct_once, the simulator's."`
+	apiKey       string
 	Timeout      time.Duration `name:"timeout" env:"PAYMENT_TIMEOUT" default:"5s" help:"Timeout of one charge request."`
 	Attempts     int           `name:"attempts" env:"PAYMENT_ATTEMPTS" default:"5" help:"Attempts per charge (same idempotency key) before the message's own retry takes over."`
 	KeyRetention time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long the provider keeps idempotency keys (Stripe: 24h)."`
 }
 
 func (p *paymentSettings) client(onAttempt func(payment.Attempt)) (*payment.Client, error) {
-	c, err := payment.NewClient(payment.ClientConfig{BaseURL: p.URL, APIKey: p.APIKey, RequestTimeout: p.Timeout, MaxAttempts: p.Attempts, OnAttempt: onAttempt})
+	c, err := payment.NewClient(payment.ClientConfig{BaseURL: p.URL, APIKey: p.apiKey, RequestTimeout: p.Timeout, MaxAttempts: p.Attempts, OnAttempt: onAttempt})
 	if err != nil {
 		return nil, fmt.Errorf("--payment-url (PAYMENT_URL) or its options: %w", err)
 	}
@@ -33,6 +37,14 @@ func (p *paymentSettings) client(onAttempt func(payment.Attempt)) (*payment.Clie
 func (p *paymentSettings) Validate() error {
 	if p.Timeout <= 0 || p.Attempts < 1 || p.KeyRetention <= 0 {
 		return errors.New("--payment-timeout and --payment-key-retention must be positive, --payment-attempts at least 1")
+	}
+	p.apiKey = cmp.Or(os.Getenv("PAYMENT_API_KEY"), "acct_once")
+	if p.APIKeyFile != "" {
+		b, err := os.ReadFile(p.APIKeyFile)
+		if err != nil {
+			return fmt.Errorf("--payment-api-key-file (PAYMENT_API_KEY_FILE): %w", err)
+		}
+		p.apiKey = strings.TrimSpace(string(b))
 	}
 	_, err := p.client(nil)
 	return err
