@@ -1,6 +1,8 @@
 package order
 
 import (
+	"bytes"
+	"encoding/json"
 	"regexp"
 	"testing"
 )
@@ -47,4 +49,33 @@ func TestInvalidUTF8DecodesAsEncodingJSONDoes(t *testing.T) {
 	if ev.Reason() != "caf\uFFFD" {
 		t.Fatalf("reason %q, want %q", ev.Reason(), "caf\uFFFD")
 	}
+}
+
+// FuzzTopLevel: on every valid JSON object, the hand-written member split
+// agrees with encoding/json's (names, the last of a repeated name, raw
+// values byte for byte).
+func FuzzTopLevel(f *testing.F) {
+	for _, s := range []string{`{}`, `{"a":1}`, ` { "a" : "x\"}" , "b":[1,{"c":"]"}], "a":null } `, `{"\u0061":true,"caf\u00e9":{"x":[]}}`,
+		"{\"\xe9\":1}", `{"a":-1.5e3,"b":"\\","c":{}}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		trimmed := bytes.TrimSpace(b)
+		if !json.Valid(trimmed) || len(trimmed) == 0 || trimmed[0] != '{' {
+			return
+		}
+		var want map[string]json.RawMessage
+		if err := json.Unmarshal(trimmed, &want); err != nil {
+			t.Fatalf("%q: valid, yet %v", b, err)
+		}
+		got := topLevel(trimmed)
+		if len(got) != len(want) {
+			t.Fatalf("%q: %d members, encoding/json %d", b, len(got), len(want))
+		}
+		for k, v := range want {
+			if g, ok := got[k]; !ok || !bytes.Equal(g, v) {
+				t.Fatalf("%q: member %q = %q, encoding/json %q", b, k, g, v)
+			}
+		}
+	})
 }
