@@ -18,8 +18,8 @@ import (
 
 // paymentSettings configure billing's client of the payment provider.
 type paymentSettings struct {
-	URL          string        `name:"url" env:"PAYMENT_URL" default:"http://127.0.0.1:18080" help:"Base URL of the payment provider."`
-	APIKeyFile   string        `name:"api-key-file" env:"PAYMENT_API_KEY_FILE" placeholder:"FILE" help:"File holding the merchant account's key (bearer token; the provider scopes idempotency keys to it). Or PAYMENT_API_KEY; never a flag. Default: acct_once, the simulator's."`
+	URL          string `name:"url" env:"PAYMENT_URL" default:"http://127.0.0.1:18080" help:"Base URL of the payment provider."`
+	APIKeyFile   string `name:"api-key-file" env:"PAYMENT_API_KEY_FILE" placeholder:"FILE" help:"File holding the merchant account's key (bearer token; the provider scopes idempotency keys to it). Or PAYMENT_API_KEY; never a flag. Default: acct_once, the simulator's."`
 	apiKey       string
 	Timeout      time.Duration `name:"timeout" env:"PAYMENT_TIMEOUT" default:"5s" help:"Timeout of one charge request."`
 	Attempts     int           `name:"attempts" env:"PAYMENT_ATTEMPTS" default:"5" help:"Attempts per charge (same idempotency key) before the message's own retry takes over."`
