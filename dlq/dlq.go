@@ -44,7 +44,9 @@ type Config struct {
 	MaxAge time.Duration
 	// Filter replays only the letters it selects; the others stay for a
 	// later replay (a filtered replay keeps its progress in a group of its
-	// own, see progressGroup).
+	// own, see progressGroup). With a MinAge, a partition's replay stops at
+	// its first letter too young for it, which may match later: the next
+	// replay with the same filter starts there.
 	Filter Filter
 	// Progress, if set, is called after each message.
 	Progress func(done, total int64)
@@ -55,7 +57,8 @@ type Config struct {
 type Report struct {
 	Replayed     int64
 	SkippedStale int64
-	Filtered     int64 // left out by the filter
+	Filtered     int64 // left out by the filter, for good
+	NotYet       int64 // partitions stopped at a letter too young for the filter's MinAge
 	ByTopic      map[string]int64
 }
 
@@ -83,6 +86,9 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	}
 	if len(cfg.Brokers) == 0 || cfg.DLQTopic == "" || cfg.Topic == "" || cfg.Sarama == nil {
 		return Report{}, errors.New("dlq: Brokers, Sarama, DLQTopic and Topic are required")
+	}
+	if cfg.MaxAge > 0 && cfg.Filter.MinAge >= cfg.MaxAge {
+		return Report{}, fmt.Errorf("dlq: Filter.MinAge %s is not below MaxAge %s: every letter it selects would be skipped as stale", cfg.Filter.MinAge, cfg.MaxAge)
 	}
 	// The producer gets a client of its own: an idempotent producer allows one
 	// request in flight per connection, and a shared connection would queue
@@ -165,6 +171,13 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 				pc.Close()
 				offsets.Commit()
 				return rep, ctx.Err()
+			}
+			if cfg.Filter.MinAge > 0 && cfg.Now().Sub(eventTime(m)) < cfg.Filter.MinAge {
+				// Too young for this filter today, not for good: the
+				// partition stops here, and the next replay with the same
+				// filter starts from this letter.
+				rep.NotYet++
+				break
 			}
 			if err := replayOne(cfg, producer, m, &rep); err != nil {
 				pc.Close()

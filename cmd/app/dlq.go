@@ -142,6 +142,9 @@ type dlqReplayCmd struct {
 }
 
 func (c *dlqReplayCmd) Validate() error {
+	if c.MaxAge > 0 && c.Filter.OlderThan >= c.MaxAge {
+		return fmt.Errorf("--older-than %s is not below --max-age %s: every letter it selects would be skipped as stale", c.Filter.OlderThan, c.MaxAge)
+	}
 	_, err := c.Filter.filter(&c.Kafka)
 	return err
 }
@@ -164,6 +167,7 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 		total.Replayed += rep.Replayed
 		total.SkippedStale += rep.SkippedStale
 		total.Filtered += rep.Filtered
+		total.NotYet += rep.NotYet
 		for t, n := range rep.ByTopic {
 			total.ByTopic[t] += n
 		}
@@ -171,6 +175,9 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	p.Done()
 	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",
 		total.Replayed, total.SkippedStale, c.MaxAge, total.Filtered)
+	if total.NotYet > 0 {
+		fmt.Fprintf(d.stdout, "stopped %d partitions at a letter younger than --older-than %s: the same command replays from there later\n", total.NotYet, c.Filter.OlderThan)
+	}
 	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
 	for topic, n := range total.ByTopic {
 		fmt.Fprintf(w, "  %s\t%d\n", topic, n)

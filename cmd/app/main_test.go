@@ -31,6 +31,7 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--reason", "("}, "--reason"},
 		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--source-group", "shipping"}, "--source-group"},
 		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--source-topic", "orders"}, "--source-topic"},
+		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--older-than", "48h"}, "--max-age"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")
 		t.Setenv("DATABASE_URL", "")
