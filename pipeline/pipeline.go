@@ -291,6 +291,9 @@ func New(cfg Config) (*Pipeline, error) {
 	pc := PublisherSaramaConfig(version)
 	cfg.Security.Apply(pc)
 	p.producer, err = sarama.NewSyncProducer(cfg.Brokers, pc)
+	if errors.Is(err, sarama.ErrClusterAuthorizationFailed) {
+		return nil, fmt.Errorf("pipeline: kafka producer on %v: %s may not produce (the idempotent producer of dead letters and outbox events needs WRITE on the dead-letter topics): %w", cfg.Brokers, cfg.Security.principal(), err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("pipeline: kafka producer on %v: %w", cfg.Brokers, err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -169,11 +170,11 @@ func (p *Pipeline) kafkaAdmin() (sarama.Client, sarama.ClusterAdmin, error) {
 }
 
 // CheckAccess asks Kafka, before anything is consumed, whether this
-// process's principal may describe every topic, dead-letter topic and
-// consumer group of the pipeline: a missing ACL then stops start-up with
-// its name, rather than surfacing later as consumer errors in the logs.
-// (Whether it may write to a dead-letter topic shows only when a letter is
-// published; the drainer's log line names that topic and the cause.)
+// process's principal may read every topic it consumes, write every
+// dead-letter topic, and read its consumer groups: a missing ACL then stops
+// start-up with its name, rather than surfacing later as consumer errors,
+// or as dead letters that never leave the database. (Topics a handler
+// publishes to through the outbox are the team's to check.)
 func (p *Pipeline) CheckAccess(ctx context.Context) error {
 	p.lagMu.Lock()
 	defer p.lagMu.Unlock()
@@ -210,6 +211,9 @@ func (p *Pipeline) CheckAccess(ctx context.Context) error {
 			errs = append(errs, fmt.Errorf("topic %s: %w", m.Name, m.Err))
 		}
 	}
+	if len(errs) == 0 {
+		errs = append(errs, p.checkTopicOperations(topics, principal)...)
+	}
 	checked := map[string]bool{}
 	for _, g := range p.groups {
 		if ctx.Err() != nil {
@@ -230,6 +234,59 @@ func (p *Pipeline) CheckAccess(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Operations of Kafka's ACLs, as bits of a topic's authorized operations.
+const (
+	aclRead     = 3
+	aclWrite    = 4
+	aclDescribe = 8
+)
+
+// checkTopicOperations asks the broker what the principal may do on each
+// topic (metadata v8's authorized operations): READ on the topics it
+// consumes, WRITE on the dead-letter topics. A broker without an
+// authorizer, or older than 2.3, does not say; then nothing is checked.
+// Caller holds lagMu.
+func (p *Pipeline) checkTopicOperations(topics []string, principal string) []error {
+	client := p.lagClient
+	if !p.version.IsAtLeast(sarama.V2_3_0_0) {
+		return nil
+	}
+	broker := client.LeastLoadedBroker()
+	if broker == nil {
+		return nil
+	}
+	if err := broker.Open(client.Config()); err != nil && !errors.Is(err, sarama.ErrAlreadyConnected) {
+		return []error{fmt.Errorf("pipeline: connect to %s: %w", broker.Addr(), err)}
+	}
+	req := sarama.NewMetadataRequest(p.version, topics)
+	if req.Version < 8 {
+		req.Version = 8
+	}
+	req.IncludeTopicAuthorizedOperations = true
+	resp, err := broker.GetMetadata(req)
+	if err != nil {
+		return []error{fmt.Errorf("pipeline: topic permissions: %w", err)}
+	}
+	var errs []error
+	for _, t := range resp.Topics {
+		ops := t.TopicAuthorizedOperations
+		if ops == math.MinInt32 {
+			continue // not reported
+		}
+		need, what := []int{aclRead, aclDescribe}, "READ and DESCRIBE (to consume it)"
+		if slices.Contains(p.dlqTopics, t.Name) {
+			need, what = []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to publish dead letters)"
+		}
+		for _, op := range need {
+			if ops&(1<<op) == 0 {
+				errs = append(errs, fmt.Errorf("%s is not authorized on topic %s: it needs %s", principal, t.Name, what))
+				break
+			}
+		}
+	}
+	return errs
 }
 
 // lagState is the pipeline's lazily made Kafka client for Lag.

@@ -87,10 +87,10 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		t.Fatal(err)
 	}
 	suffix := "." + uuid.NewString()[:8]
-	svc, intruder, groupless := "once-svc-"+uuid.NewString()[:8], "intruder-"+uuid.NewString()[:8], "groupless-"+uuid.NewString()[:8]
-	svcPassword, intruderPassword, grouplessPassword := "sasl-"+uuid.NewString(), "sasl-"+uuid.NewString(), "sasl-"+uuid.NewString()
+	svc, intruder, groupless, nowrite := "once-svc-"+uuid.NewString()[:8], "intruder-"+uuid.NewString()[:8], "groupless-"+uuid.NewString()[:8], "nowrite-"+uuid.NewString()[:8]
+	svcPassword, intruderPassword, grouplessPassword, nowritePassword := "sasl-"+uuid.NewString(), "sasl-"+uuid.NewString(), "sasl-"+uuid.NewString(), "sasl-"+uuid.NewString()
 	dbPassword, apiKey := "db-"+uuid.NewString(), "acct_"+strings.ReplaceAll(uuid.NewString(), "-", "")
-	for user, pw := range map[string]string{svc: svcPassword, intruder: intruderPassword, groupless: grouplessPassword} {
+	for user, pw := range map[string]string{svc: svcPassword, intruder: intruderPassword, groupless: grouplessPassword, nowrite: nowritePassword} {
 		if _, err := admin.UpsertUserScramCredentials([]sarama.AlterUserScramCredentialsUpsert{{
 			Name: user, Mechanism: sarama.SCRAM_MECHANISM_SHA_512, Iterations: 8192, Salt: []byte(uuid.NewString()), Password: []byte(pw)}}); err != nil {
 			t.Fatalf("scram user %s: %v", user, err)
@@ -134,6 +134,16 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		}
 		acls = append(acls, &b)
 	}
+	// Everything but WRITE on one of its dead-letter topics.
+	nw := "User:" + nowrite
+	acls = append(acls,
+		allow(nw, sarama.AclResourceTopic, "order.confirmed.v1"+suffix, read, describe),
+		allow(nw, sarama.AclResourceTopic, "payment.events.v1"+suffix, read, describe),
+		allow(nw, sarama.AclResourceTopic, "order.confirmed.v1"+suffix+".dlq", describe),
+		allow(nw, sarama.AclResourceTopic, "payment.events.v1"+suffix+".dlq", write, describe),
+		allow(nw, sarama.AclResourceTopic, "order.cancelled.v1"+suffix, describe),
+		allow(nw, sarama.AclResourceTopic, "order.cancelled.v1"+suffix+".dlq", describe),
+		allow(nw, sarama.AclResourceGroup, "analytics"+suffix, read, describe))
 	if err := admin.CreateACLs(acls); err != nil {
 		t.Fatal(err)
 	}
@@ -167,6 +177,14 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		t.Fatalf("serve without the group's ACL: %v; want a refusal naming the group and the permission\n%s", err, grouplessLogs.String())
 	}
 	t.Logf("groupless refused: %v", err)
+	var nowriteLogs lockedBuffer
+	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
+	err = serve(ctx, nowrite, nowritePassword, &nowriteLogs)
+	cancel()
+	if err == nil || !strings.Contains(err.Error(), "topic order.confirmed.v1"+suffix+".dlq") || !strings.Contains(err.Error(), "WRITE") {
+		t.Fatalf("serve that may not write its dead letters: %v; want a refusal naming the dead-letter topic and WRITE\n%s", err, nowriteLogs.String())
+	}
+	t.Logf("nowrite refused: %v", err)
 
 	// The service: consumes, and dead-letters the poison message.
 	const events = 20
@@ -201,11 +219,11 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("serve: %v\n%s", err, logs.String())
 	}
-	all := logs.String() + intruderLogs.String() + grouplessLogs.String()
+	all := logs.String() + intruderLogs.String() + grouplessLogs.String() + nowriteLogs.String()
 	if !strings.Contains(all, "dead-lettered") || strings.Count(all, "\n") < 10 {
 		t.Fatalf("the logs hold too little to judge (%d lines)", strings.Count(all, "\n"))
 	}
-	for name, secret := range map[string]string{"the SASL password": svcPassword, "the intruder's SASL password": intruderPassword, "a third SASL password": grouplessPassword,
+	for name, secret := range map[string]string{"the SASL password": svcPassword, "the intruder's SASL password": intruderPassword, "a third SASL password": grouplessPassword, "a fourth SASL password": nowritePassword,
 		"the database password": dbPassword, "the payment API key": apiKey} {
 		if strings.Contains(all, secret) {
 			for _, line := range strings.Split(all, "\n") {
