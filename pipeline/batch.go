@@ -203,6 +203,9 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 			if err := b.awaitTurn(msg, e); err != nil {
 				return nil, err
 			}
+			if msg.Context().Err() != nil {
+				return nil, errOutwaited
+			}
 			return next(msg)
 		}
 		e.state, e.msg, e.ctx, e.since, e.result = waiting, msg, msg.Context(), time.Now(), make(chan error, 1)
@@ -214,6 +217,9 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 			select {
 			case err := <-e.result:
 				if errors.Is(err, idempotency.ErrRunAlone) {
+					if msg.Context().Err() != nil {
+						return nil, errOutwaited
+					}
 					return next(msg)
 				}
 				return nil, err
@@ -237,6 +243,11 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 		}
 	}
 }
+
+// errOutwaited: the attempt's time ran out while the message waited for its
+// turn, which was not its work; the hold tries it again at once, on a fresh
+// attempt, without counting a failure.
+var errOutwaited = errors.New("pipeline: the attempt's time ran out while the message waited for its turn")
 
 // awaitTurn waits until every message before e in its partition is done,
 // and makes e the one its followers wait for.

@@ -202,3 +202,29 @@ func TestANewSessionsMessageIsNotCapturedByTheOldOnes(t *testing.T) {
 		t.Fatalf("the new session's offset 5 after the old one left: %+v", e5)
 	}
 }
+
+// Review finding: a message whose attempt ran out while it waited for its
+// batch (behind a held predecessor), then sent to run alone, ran the
+// per-event claim on its dead context: a spurious failed attempt. It now
+// gives the attempt back (errOutwaited) for a fresh one.
+func TestARunAloneAfterALongWaitGetsAFreshAttempt(t *testing.T) {
+	f := newBatchFixture(t, failingDB{})
+	owner, end := context.WithCancel(context.Background())
+	defer end()
+	m10, expire := f.message(owner, 10)
+	f.b.announce(m10)
+	done := f.claimAsync(m10)
+	time.Sleep(50 * time.Millisecond)
+	expire() // the attempt's time runs out while it waits
+	time.Sleep(50 * time.Millisecond)
+	batch := f.b.next(context.Background())
+	f.b.commit(context.Background(), batch) // fails: 10 is sent to run alone
+	if err := <-done; !errors.Is(err, errOutwaited) {
+		t.Fatalf("claim after its attempt ran out: %v; want errOutwaited", err)
+	}
+	select {
+	case id := <-f.ran:
+		t.Fatalf("%s ran the per-event claim on a dead context", id)
+	default:
+	}
+}

@@ -244,6 +244,9 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 			var heldSince time.Time
 			for attempt := 1; ; attempt++ {
 				out, err := p.attempt(msg, h, revoked, attempt)
+				if errors.Is(err, errOutwaited) && !p.stopped(msg) && !isClosed(revoked) {
+					continue
+				}
 				if err == nil || idempotency.IsPermanent(err) {
 					if attempt > 1 {
 						p.cfg.Logger.Info("held message passed", "topic", topic, "consumer_group", group, "attempts", attempt,
