@@ -56,9 +56,6 @@ const maxReasonBytes = 4 << 10
 
 type deliveryCtxKey struct{}
 
-// tracer is the global provider's: a no-op until a process installs one.
-var tracer = otel.Tracer("github.com/once-dev/once/pipeline")
-
 // deliveryInfo is what the chain knows of a delivery from its start: the
 // subscriber's context, and where the message came from.
 type deliveryInfo struct {
@@ -83,7 +80,7 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			// carries this span to the provider's HTTP request and into the
 			// events it publishes through the outbox.
 			ctx := otel.GetTextMapPropagator().Extract(orig, tracing.MetadataCarrier(msg.Metadata))
-			ctx, span := tracer.Start(ctx, "process "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
+			ctx, span := p.tracer.Start(ctx, "process "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
 				trace.WithAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
 					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
 					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition))))

@@ -13,6 +13,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/middleware/idempotency"
@@ -261,6 +263,9 @@ type Pipeline struct {
 	holdsMu   sync.Mutex
 	holds     map[*message.Message]holdEntry
 	lagState
+	// tracer is the global provider's when the pipeline was made (a no-op
+	// until the process installs one).
+	tracer  trace.Tracer
 	closers []func() error
 }
 
@@ -273,7 +278,8 @@ func New(cfg Config) (*Pipeline, error) {
 		return nil, err
 	}
 	wlog := newWatermillLogger(cfg.Logger)
-	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{})}
+	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}),
+		tracer: otel.GetTracerProvider().Tracer("github.com/once-dev/once/pipeline")}
 	schemaCfg := cfg.Schema
 	if p.letters, err = dlq.NewStore(dlq.StoreConfig{Schema: schemaCfg.Schema, Table: schemaCfg.DeadLetters}); err != nil {
 		return nil, err
