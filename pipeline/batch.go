@@ -126,10 +126,11 @@ func (b *batcher) announce(msg *message.Message) {
 // acknowledged leaves its partition's queue; one given back (it will be
 // handed out again) keeps its place, unless its partition was revoked.
 func (b *batcher) track(h message.HandlerFunc) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		out, err := h(msg)
-		b.leave(msg, err != nil && !isClosed(revokedOf(msg)))
-		return out, err
+	return func(msg *message.Message) (out []*message.Message, err error) {
+		// Deferred: a team's middleware that panics outside the chain's
+		// recoverer must not leave the entry behind.
+		defer func() { b.leave(msg, err != nil && !isClosed(revokedOf(msg))) }()
+		return h(msg)
 	}
 }
 
