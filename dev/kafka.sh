@@ -50,6 +50,23 @@ resolve_jars() {
 
 java_run() { java -Xmx256m -cp "$lib/*" -Dorg.slf4j.simpleLogger.defaultLogLevel=warn "$@"; }
 
+# single_node_props PARTITIONS OFFSETS_PARTITIONS: what a one-broker
+# cluster needs (replication factor 1 everywhere), and no topic made by
+# accident.
+single_node_props() {
+	cat <<PROPS
+num.partitions=$1
+offsets.topic.num.partitions=$2
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+PROPS
+}
+
 write_config() {
 	mkdir -p "$data"
 	cat >"$kdir/server.properties" <<PROPS
@@ -62,16 +79,8 @@ controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$data
-num.partitions=3
-offsets.topic.num.partitions=4
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=false
 PROPS
+	single_node_props 3 4 >>"$kdir/server.properties"
 }
 
 # broker_pid FILE: the PID of the broker FILE names, if it still runs; a
@@ -306,16 +315,8 @@ authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 allow.everyone.if.no.acl.found=false
 super.users=User:admin;User:ANONYMOUS
 log.dirs=$sdir/data
-num.partitions=1
-offsets.topic.num.partitions=2
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=false
 PROPS
+	single_node_props 1 2 >>"$sdir/server.properties"
 }
 
 secure_pid() { broker_pid "$sdir/kafka.pid"; }

@@ -318,7 +318,7 @@ func TestClusterLeaderFailover(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = exec.Command(kafka, "cluster", "stop").Run() })
 	brokers := strings.Split(strings.TrimSpace(string(out)), ",")
-	waitForBrokers(t, brokers, 3, 60*time.Second)
+	waitForBrokers(t, brokers, 3, 150*time.Second) // three JVMs starting on two cores
 	s := newScenarioOn(t, "14 cluster leader failover", 6, brokers, 3)
 	s.startProvider()
 	orders := s.startOrders()

@@ -160,31 +160,28 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 			"--ops-listen", "127.0.0.1:0", "--maintenance-interval", "0", "--session-timeout", "6s", "--log-level", "debug"}, logs, logs)
 	}
 
-	// The intruder: refused before it consumes anything, naming what it lacks.
-	var intruderLogs lockedBuffer
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	err := serve(ctx, intruder, intruderPassword, &intruderLogs)
-	cancel()
-	if err == nil || !strings.Contains(err.Error(), "User:"+intruder) || !strings.Contains(err.Error(), "DESCRIBE") || !strings.Contains(err.Error(), "order.confirmed.v1"+suffix) {
-		t.Fatalf("the intruder's serve: %v; want a refusal naming its principal, the topic and the permission\n%s", err, intruderLogs.String())
+	// Refused before they consume anything, each naming what it lacks.
+	refusedLogs := map[string]*lockedBuffer{}
+	for _, r := range []struct {
+		user, password, what string
+		want                 []string
+	}{
+		{intruder, intruderPassword, "no ACL at all", []string{"User:" + intruder, "DESCRIBE", "order.confirmed.v1" + suffix}},
+		{groupless, grouplessPassword, "no ACL on its group", []string{"consumer group analytics" + suffix, "READ and DESCRIBE on the group"}},
+		{nowrite, nowritePassword, "no WRITE on a dead-letter topic", []string{"topic order.confirmed.v1" + suffix + ".dlq", "WRITE"}},
+	} {
+		logs := &lockedBuffer{}
+		refusedLogs[r.user] = logs
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		err := serve(ctx, r.user, r.password, logs)
+		cancel()
+		for _, w := range r.want {
+			if err == nil || !strings.Contains(err.Error(), w) {
+				t.Fatalf("serve with %s: %v; want a refusal naming %q\n%s", r.what, err, w, logs.String())
+			}
+		}
+		t.Logf("%s: refused: %v", r.what, err)
 	}
-	t.Logf("intruder refused: %v", err)
-	var grouplessLogs lockedBuffer
-	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
-	err = serve(ctx, groupless, grouplessPassword, &grouplessLogs)
-	cancel()
-	if err == nil || !strings.Contains(err.Error(), "consumer group analytics"+suffix) || !strings.Contains(err.Error(), "READ and DESCRIBE on the group") {
-		t.Fatalf("serve without the group's ACL: %v; want a refusal naming the group and the permission\n%s", err, grouplessLogs.String())
-	}
-	t.Logf("groupless refused: %v", err)
-	var nowriteLogs lockedBuffer
-	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
-	err = serve(ctx, nowrite, nowritePassword, &nowriteLogs)
-	cancel()
-	if err == nil || !strings.Contains(err.Error(), "topic order.confirmed.v1"+suffix+".dlq") || !strings.Contains(err.Error(), "WRITE") {
-		t.Fatalf("serve that may not write its dead letters: %v; want a refusal naming the dead-letter topic and WRITE\n%s", err, nowriteLogs.String())
-	}
-	t.Logf("nowrite refused: %v", err)
 
 	// The service: consumes, and dead-letters the poison message.
 	const events = 20
@@ -202,7 +199,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		t.Fatal(err)
 	}
 	var logs lockedBuffer
-	ctx, cancel = context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- serve(ctx, svc, svcPassword, &logs) }()
 	group := "analytics" + suffix
@@ -219,7 +216,10 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("serve: %v\n%s", err, logs.String())
 	}
-	all := logs.String() + intruderLogs.String() + grouplessLogs.String() + nowriteLogs.String()
+	all := logs.String()
+	for _, l := range refusedLogs {
+		all += l.String()
+	}
 	if !strings.Contains(all, "dead-lettered") || strings.Count(all, "\n") < 10 {
 		t.Fatalf("the logs hold too little to judge (%d lines)", strings.Count(all, "\n"))
 	}
