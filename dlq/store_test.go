@@ -21,16 +21,7 @@ import (
 // holds no other up.
 func TestParkedLettersDrainOneByOne(t *testing.T) {
 	ctx := context.Background()
-	pool := testenv.Postgres(t)
-	names := schema.Config{Schema: "dlq_test_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")}
-	if _, err := schema.Migrate(ctx, pool, names); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
-	store, err := dlq.NewStore(dlq.StoreConfig{Schema: names.Schema})
-	if err != nil {
-		t.Fatal(err)
-	}
+	store, _, pool := newStore(t)
 	brokers := testenv.Brokers(t)
 	topic := testenv.Topic(t, brokers, 1)
 	missing := topic + ".nowhere"
