@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"strconv"
 	"sync"
@@ -353,9 +354,7 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 			for i, e := range ready {
 				e.state = inBatch
 				frozen := message.NewMessage(e.msg.UUID, e.msg.Payload)
-				for k, v := range e.msg.Metadata {
-					frozen.Metadata.Set(k, v)
-				}
+				frozen.Metadata = maps.Clone(e.msg.Metadata)
 				frozen.SetContext(e.ctx)
 				items[i] = batchItem{e: e, msg: e.msg, frozen: frozen}
 			}

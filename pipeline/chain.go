@@ -67,6 +67,7 @@ type deliveryInfo struct {
 // gave the message: its end is the shutdown's, whatever contexts a team's
 // middleware puts in front of it later.
 func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
+	spanName := "process " + topic
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			if p.cfg.OnDelivered != nil {
@@ -80,11 +81,15 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			// carries this span to the provider's HTTP request and into the
 			// events it publishes through the outbox.
 			ctx := otel.GetTextMapPropagator().Extract(orig, tracing.MetadataCarrier(msg.Metadata))
-			ctx, span := p.tracer.Start(ctx, "process "+topic, trace.WithSpanKind(trace.SpanKindConsumer),
-				trace.WithAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
-					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
-					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition))))
+			ctx, span := p.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindConsumer))
 			defer span.End()
+			if span.IsRecording() {
+				// Only for a span that is kept: without a tracer provider
+				// these allocations would be the whole cost of tracing.
+				span.SetAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
+					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
+					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition)))
+			}
 			msg.SetContext(context.WithValue(ctx, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c}))
 			defer msg.SetContext(orig)
 			out, err := h(msg)
@@ -171,7 +176,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
 				for attempt := 1; ; attempt++ {
-					perr := p.park(msg, g.db, letter, revoked)
+					perr := p.park(msg, g.db, letter)
 					if perr == nil {
 						break
 					}
@@ -195,17 +200,11 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 // park writes a dead letter in a transaction of its own, bounded by the
 // statement timeout and by the partition's revocation: a silent database
 // cannot hold the partition up here either.
-func (p *Pipeline) park(msg *message.Message, db DB, letter dlq.Letter, revoked <-chan struct{}) error {
+func (p *Pipeline) park(msg *message.Message, db DB, letter dlq.Letter) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.StatementTimeout)
 	defer cancel()
-	if revoked != nil {
-		go func() {
-			select {
-			case <-revoked:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
+	if owner := ownerOf(msg); owner != nil {
+		defer context.AfterFunc(owner, cancel)()
 	}
 	return p.letters.Park(ctx, db, letter)
 }
@@ -239,8 +238,9 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 			revoked := revokedOf(msg)
 			wait := p.cfg.HoldBackoff
 			var heldSince time.Time
+			owner := ownerOf(msg)
 			for attempt := 1; ; attempt++ {
-				out, err := p.attempt(msg, h, revoked, attempt)
+				out, err := p.attempt(msg, h, owner, attempt)
 				if errors.Is(err, errOutwaited) && !p.stopped(msg) && !isClosed(revoked) {
 					continue
 				}
@@ -314,19 +314,16 @@ func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.D
 var errMessageContextDone = errors.New("pipeline: the message context ended (a middleware's timeout?); redelivering it")
 
 // attempt runs the rest of the chain once, on a context that ends after
-// AttemptTimeout or when the partition is revoked.
-func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, revoked <-chan struct{}, attempt int) ([]*message.Message, error) {
+// AttemptTimeout or when the session that owns the message's partition ends
+// (owner, nil for none).
+func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, owner context.Context, attempt int) ([]*message.Message, error) {
 	parent := msg.Context()
 	ctx, cancel := context.WithTimeout(context.WithValue(parent, attemptCtxKey{}, attempt), p.cfg.AttemptTimeout)
 	defer cancel()
-	if revoked != nil {
-		go func() {
-			select {
-			case <-revoked:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
+	if owner != nil {
+		// A callback, not a goroutine watching the revocation: this runs
+		// for every message.
+		defer context.AfterFunc(owner, cancel)()
 	}
 	msg.SetContext(ctx)
 	defer msg.SetContext(parent)

@@ -273,17 +273,24 @@ func claimOf(msg *message.Message) (claimInfo, bool) {
 	return c, ok
 }
 
+// ownerOf is the context of the session that handed msg out: it ends when
+// the partition msg came from is revoked from this process (or the session
+// ends for any other reason). Nil for a message from another subscriber.
+func ownerOf(msg *message.Message) context.Context {
+	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok {
+		return d.claim.owner
+	}
+	if c, ok := claimOf(msg); ok {
+		return c.owner
+	}
+	return nil
+}
+
 // revokedOf is closed when the partition msg came from is revoked from this
 // process (or its session ends for any other reason).
 func revokedOf(msg *message.Message) <-chan struct{} {
-	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok {
-		if d.claim.owner == nil {
-			return nil
-		}
-		return d.claim.owner.Done()
-	}
-	if c, ok := claimOf(msg); ok {
-		return c.owner.Done()
+	if owner := ownerOf(msg); owner != nil {
+		return owner.Done()
 	}
 	return nil
 }
