@@ -162,11 +162,12 @@ func (unmarshaler) Unmarshal(km *sarama.ConsumerMessage) (*message.Message, erro
 		}
 		md.Set(string(h.Key), string(h.Value))
 	}
-	md.Set(MetaKafkaPartition, strconv.Itoa(int(km.Partition)))
-	md.Set(MetaKafkaOffset, strconv.FormatInt(km.Offset, 10))
+	partition, offset := strconv.Itoa(int(km.Partition)), strconv.FormatInt(km.Offset, 10)
+	md.Set(MetaKafkaPartition, partition)
+	md.Set(MetaKafkaOffset, offset)
 	md.Set(MetaKafkaKey, string(km.Key))
 	// Kafka coordinates name the delivery for logs; the dedup key is the payload's event_id.
-	msg := message.NewMessage(fmt.Sprintf("%s/%d/%d", km.Topic, km.Partition, km.Offset), km.Value)
+	msg := message.NewMessage(km.Topic+"/"+partition+"/"+offset, km.Value)
 	msg.Metadata = md
 	return msg, nil
 }
