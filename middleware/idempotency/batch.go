@@ -127,13 +127,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		}
 	}()
 
-	// As [16]byte, which pgx encodes as binary uuids; uuid.UUID would go
-	// through its text form (driver.Valuer), a measurable cost per event.
-	rawKeys := make([][16]byte, len(batchKeys))
-	for i, k := range batchKeys {
-		rawKeys[i] = k
-	}
-	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, rawKeys, m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable)
+	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable)
 	if err != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return runAlone()
@@ -164,11 +158,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	}
 	if len(unclaimed) > 0 {
 		stored := map[uuid.UUID][]byte{}
-		rawUnclaimed := make([][16]byte, len(unclaimed))
-		for i, k := range unclaimed {
-			rawUnclaimed[i] = k
-		}
-		rows, err := tx.Query(stmtCtx, m.storedHashesSQL, rawUnclaimed, m.cfg.ConsumerGroup)
+		rows, err := tx.Query(stmtCtx, m.storedHashesSQL, uuidParams(unclaimed), m.cfg.ConsumerGroup)
 		if err != nil {
 			return runAlone()
 		}

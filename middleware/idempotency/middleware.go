@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/once-dev/once/internal/durable"
 )
@@ -407,13 +408,11 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	var retentionSeconds *int64
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
-	// The key as [16]byte, which pgx encodes as a binary uuid; uuid.UUID
-	// would go through its driver.Valuer, a measurable cost per event.
-	err = tx.QueryRow(stmtCtx, m.claimSQL, [16]byte(key), m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
+	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
 	res.Claim = time.Since(began)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
-		if err := tx.QueryRow(stmtCtx, m.storedSQL, [16]byte(key), m.cfg.ConsumerGroup).Scan(&stored); err != nil {
+		if err := tx.QueryRow(stmtCtx, m.storedSQL, uuidParam(key), m.cfg.ConsumerGroup).Scan(&stored); err != nil {
 			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 		}
 		if !bytes.Equal(stored, sum) {
@@ -498,4 +497,21 @@ func (m *Middleware) log(msg *message.Message, level slog.Level, text string, ke
 		attrs = append(attrs, m.cfg.LogAttrs(msg)...)
 	}
 	m.cfg.Logger.Log(msg.Context(), level, text, attrs...)
+}
+
+// uuidParam is an event id as a statement parameter. pgx encodes a
+// pgtype.UUID with its uuid codec directly, in every query exec mode; a
+// uuid.UUID would go through its driver.Valuer (a failed binary plan and a
+// parse per statement, a measurable cost per event), and a bare [16]byte
+// has no text encoding for the modes that do not ask the server for
+// parameter types (exec, simple_protocol: what PgBouncer in transaction
+// mode needs), where every claim would fail.
+func uuidParam(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: true} }
+
+func uuidParams(ids []uuid.UUID) []pgtype.UUID {
+	out := make([]pgtype.UUID, len(ids))
+	for i, id := range ids {
+		out[i] = uuidParam(id)
+	}
+	return out
 }

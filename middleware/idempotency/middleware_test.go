@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -675,5 +676,68 @@ func TestAnOldDuplicateIsADuplicateNotTooOld(t *testing.T) {
 	}
 	if claims(t, pool, id, group) != 1 {
 		t.Fatal("the claim is gone")
+	}
+}
+
+// Claims work in every query exec mode of pgx: exec and simple_protocol
+// (what PgBouncer in transaction mode needs) do not ask the server for the
+// parameters' types, and a parameter pgx cannot encode as text there would
+// fail every claim, holding every partition for good (review finding).
+func TestClaimsWorkInEveryQueryExecMode(t *testing.T) {
+	base := setup(t)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			cfg := base.Config().Copy()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			group := uniqueGroup(t, "g")
+			var outcomes []idempotency.Outcome
+			var mu sync.Mutex
+			m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OnResult: func(r idempotency.Result) {
+				mu.Lock()
+				outcomes = append(outcomes, r.Outcome)
+				mu.Unlock()
+			}})
+			var runs atomic.Int64
+			h := m.Middleware(recordEffect(group, &runs))
+
+			id, msg := newEvent(t)
+			for range 2 {
+				if _, err := h(msg.Copy()); err != nil {
+					t.Fatalf("per event: %v", err)
+				}
+			}
+			if _, err := h(newMessage(id, `"amount":"99.00"`)); !errors.Is(err, idempotency.ErrPayloadMismatch) {
+				t.Fatalf("the same id with other bytes: %v, want ErrPayloadMismatch", err)
+			}
+
+			ids, msgs := newEvents(t, 3)
+			for i, err := range m.ProcessBatch(context.Background(), msgs, recordBatch(group, &runs)) {
+				if err != nil {
+					t.Fatalf("batch, message %d: %v", i, err)
+				}
+			}
+			for i, err := range m.ProcessBatch(context.Background(), copies(msgs), recordBatch(group, &runs)) {
+				if err != nil {
+					t.Fatalf("batch again, message %d: %v", i, err)
+				}
+			}
+			want := []idempotency.Outcome{idempotency.Processed, idempotency.Duplicate, idempotency.PayloadMismatch,
+				idempotency.Processed, idempotency.Processed, idempotency.Processed,
+				idempotency.Duplicate, idempotency.Duplicate, idempotency.Duplicate}
+			if !slices.Equal(outcomes, want) || runs.Load() != 4 {
+				t.Fatalf("outcomes %v, handler runs %d; want %v and 4", outcomes, runs.Load(), want)
+			}
+			for _, id := range append(ids, id) {
+				if n := effects(t, base, id, group); n != 1 {
+					t.Fatalf("event %s: %d effects, want 1", id, n)
+				}
+			}
+		})
 	}
 }
