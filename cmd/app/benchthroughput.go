@@ -148,6 +148,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 				group := fmt.Sprintf("%s.peer%d", run, round)
 				groups = append(groups, group)
 				rounds[v.name] = append(rounds[v.name], b.peer(ctx, d, topicOf[b.Partitions], group))
+				clearBenchRows(ctx, pool, likeEscape(group))
 				continue
 			}
 			rounds[v.name] = append(rounds[v.name], measure(v.name, b.Partitions, b.Events))
@@ -236,8 +237,13 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 }
 
 // benchCustomers is where the generated events' customer and order ids
-// start: far from any real one, so cleanup can find them.
+// start, and throughputDay the day they all happened on: a real customer id
+// may well be that large (ids drawn at random up to 2^63 mostly are), but
+// not with an order dated that day, so cleanup finds app bench's rows and
+// only them.
 const benchCustomers = 8_000_000_000_000_000
+
+var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
 
 // child runs one measurement in a process of its own and adds its peak RSS.
 func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int) (benchFigures, error) {
@@ -333,10 +339,20 @@ func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama
 	for _, g := range groups {
 		_ = admin.DeleteConsumerGroup(g)
 	}
-	_, _ = pool.Exec(ctx, `DELETE FROM processed_event WHERE consumer_group LIKE $1`, run+".%")
-	_, _ = pool.Exec(ctx, `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1`, int64(benchCustomers))
-	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, run+".%")
-	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.revenue WHERE customer_id >= $1`, int64(benchCustomers))
+	clearBenchRows(ctx, pool, likeEscape(run)+".%")
+}
+
+// clearBenchRows deletes the claims of the consumer groups that match the
+// LIKE pattern groups, and the rows the generated events added.
+func clearBenchRows(ctx context.Context, pool *pgxpool.Pool, groups string) {
+	_, _ = pool.Exec(ctx, `DELETE FROM processed_event WHERE consumer_group LIKE $1`, groups)
+	_, _ = pool.Exec(ctx, `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND day = $2`, int64(benchCustomers), throughputDay)
+	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, groups)
+	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.revenue WHERE customer_id >= $1 AND day = $2`, int64(benchCustomers), throughputDay)
+}
+
+func likeEscape(s string) string {
+	return strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`).Replace(s)
 }
 
 // median is the round with the median rate, and the rates' range ("-" for
