@@ -4,9 +4,9 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -28,20 +28,29 @@ func TestMain(m *testing.M) {
 }
 
 // app bench measures every variant it is asked for, prints their rows and
-// ratios, and leaves no claim or generated analytics row behind.
+// ratios, and leaves none of its claims or rows behind, and touches no
+// real customer's row (review finding: it deleted every customer above its
+// first id).
 func TestBenchMeasuresEachVariantAndLeavesNoRows(t *testing.T) {
 	pool := testenv.Postgres(t)
 	brokers := testenv.Brokers(t)
 	t.Setenv("ONCE_TEST_BINARY_IS_APP", "1")
-	// A customer of the bench's id range with a real day's orders: not
-	// the bench's to delete.
-	real := benchCustomers + 5
-	if _, err := pool.Exec(context.Background(), `INSERT INTO analytics.customer_daily_revenue (customer_id, day, revenue, order_count)
-VALUES ($1, current_date, 12.34, 1) ON CONFLICT DO NOTHING`, real); err != nil {
-		t.Fatal(err)
+	// Real customers: one in the bench's id range with a real day's
+	// orders, one just past the range on the bench's day.
+	real := []struct {
+		customer int64
+		day      time.Time
+	}{{benchCustomers + 5, time.Now().UTC()}, {benchCustomers + benchCustomerCount + 5, throughputDay}}
+	for _, r := range real {
+		if _, err := pool.Exec(context.Background(), `INSERT INTO analytics.customer_daily_revenue (customer_id, day, revenue, order_count)
+VALUES ($1, $2::date, 12.34, 1) ON CONFLICT (customer_id, day) DO UPDATE SET revenue = 12.34, order_count = 1`, r.customer, r.day.Format(time.DateOnly)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), `DELETE FROM analytics.customer_daily_revenue WHERE customer_id = $1 AND day = current_date`, real)
+		for _, r := range real {
+			_, _ = pool.Exec(context.Background(), `DELETE FROM analytics.customer_daily_revenue WHERE customer_id = $1 AND day = $2::date`, r.customer, r.day.Format(time.DateOnly))
+		}
 	})
 	claimsBefore, _ := benchRows(t, pool, "bench-%")
 	out, err := runApp(t, "bench", "--kafka-brokers", strings.Join(brokers, ","), "--database-url", pool.Config().ConnString(),
@@ -54,45 +63,62 @@ VALUES ($1, current_date, 12.34, 1) ON CONFLICT DO NOTHING`, real); err != nil {
 			t.Errorf("the output has no %q:\n%s", want, out)
 		}
 	}
-	if strings.Contains(out, "skipped") {
-		t.Errorf("a variant was skipped:\n%s", out)
+	if strings.Contains(out, "skipped") || strings.Contains(out, "left rows behind") {
+		t.Errorf("a variant was skipped, or cleanup failed:\n%s", out)
 	}
-	if claims, rows := benchRows(t, pool, "bench-%"); claims != claimsBefore || rows != 0 {
-		t.Fatalf("%d claims and %d generated analytics rows after, %d claims before", claims, rows, claimsBefore)
+	if claims, rows := benchRows(t, pool, "bench-%"); claims != claimsBefore || rows != 1 {
+		t.Fatalf("%d claims after, %d before; %d analytics rows in the bench's customer range, want only the real one", claims, claimsBefore, rows)
 	}
-	var kept int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM analytics.customer_daily_revenue WHERE customer_id = $1 AND day = current_date`, real).Scan(&kept); err != nil || kept != 1 {
-		t.Fatalf("the real customer's row: %d (%v), want it kept", kept, err)
+	for _, r := range real {
+		var revenue string
+		var orders int
+		if err := pool.QueryRow(context.Background(), `SELECT revenue::text, order_count FROM analytics.customer_daily_revenue WHERE customer_id = $1 AND day = $2::date`,
+			r.customer, r.day.Format(time.DateOnly)).Scan(&revenue, &orders); err != nil || revenue != "12.34" || orders != 1 {
+			t.Fatalf("real customer %d's row: %s over %d orders (%v), want 12.34 over 1, untouched", r.customer, revenue, orders, err)
+		}
 	}
 }
 
-// A measurement clears what it wrote as soon as it is done, so that the
-// next one starts from the same tables (not from rows to update, nor from a
-// claim table grown by earlier measurements).
-func TestABenchMeasurementClearsItsRows(t *testing.T) {
+// A measurement clears its group's claims and the generated rows when app
+// bench asks it to (each measurement then starts from the same tables),
+// and touches nothing when run by hand.
+func TestABenchMeasurementClearsItsRowsOnlyWhenAsked(t *testing.T) {
 	pool := testenv.Postgres(t)
-	group := "bench-test-" + uuid.NewString()[:8]
-	out, err := runApp(t, "bench-run", "--variant", "L2", "--group", group, "--events", "200", "--database-url", pool.Config().ConnString(),
-		"--customers-from", strconv.FormatInt(benchCustomers, 10))
-	if err != nil {
-		t.Fatalf("app bench-run: %v\n%s", err, out)
+	byHand, asked := "bench-test-"+uuid.NewString()[:8], "bench-test-"+uuid.NewString()[:8]
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DELETE FROM processed_event WHERE consumer_group = $1`, byHand)
+		_, _ = pool.Exec(context.Background(), `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND customer_id < $2 AND day = $3`,
+			benchCustomers, benchCustomers+benchCustomerCount, throughputDay)
+	})
+	measure := func(group string, extra ...string) {
+		t.Helper()
+		out, err := runApp(t, append([]string{"bench-run", "--variant", "L2", "--group", group, "--events", "200", "--database-url", pool.Config().ConnString()}, extra...)...)
+		if err != nil || !strings.Contains(out, `"events":200`) {
+			t.Fatalf("app bench-run: %v\n%s", err, out)
+		}
 	}
-	if !strings.Contains(out, `"events":200`) {
-		t.Fatalf("no figures for 200 events:\n%s", out)
+	measure(byHand)
+	if claims, rows := benchRows(t, pool, byHand); claims != 200 || rows == 0 {
+		t.Fatalf("by hand: %d claims and %d generated rows kept, want 200 and some", claims, rows)
 	}
-	if claims, rows := benchRows(t, pool, group); claims != 0 || rows != 0 {
-		t.Fatalf("left %d claims and %d generated analytics rows", claims, rows)
+	measure(asked, "--clear-after", "--claims-since", time.Now().Add(-time.Minute).Format(time.RFC3339))
+	if claims, rows := benchRows(t, pool, asked); claims != 0 || rows != 0 {
+		t.Fatalf("asked to clear: left %d claims and %d generated rows", claims, rows)
+	}
+	if claims, _ := benchRows(t, pool, byHand); claims != 200 {
+		t.Fatalf("another group's claims: %d, want its 200 untouched", claims)
 	}
 }
 
 // benchRows counts the claims of the groups matching pattern, and the
-// analytics rows of app bench's generated events.
+// analytics rows of app bench's customer range, on any day.
 func benchRows(t *testing.T, pool *pgxpool.Pool, pattern string) (claims, rows int) {
 	t.Helper()
 	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event WHERE consumer_group LIKE $1`, pattern).Scan(&claims); err != nil {
 		t.Fatal(err)
 	}
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND day = $2`, int64(benchCustomers), throughputDay).Scan(&rows); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND customer_id < $2`,
+		benchCustomers, benchCustomers+benchCustomerCount).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
 	return claims, rows

@@ -44,7 +44,8 @@ type benchRunCmd struct {
 	Concurrency  int        `name:"concurrency" default:"12" help:"L2: goroutines, as many as the partitions a consumer owns."`
 	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of the batched variants."`
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
-	Customers    int64      `name:"customers-from" default:"8000000000000000" help:"L2, L2B: the first of the customer ids the generated events use."`
+	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
+	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 }
 
@@ -166,10 +167,12 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	line.Done()
 	f := c.figures(b.Variant)
 	f.PeakRSSKiB = peakRSS(os.Getpid())
-	// Every measurement leaves the tables as it found them: the next one
-	// then inserts its rows as this one did, instead of updating this
-	// one's, and a claim table grown by earlier runs slows none of them.
-	clearBenchRows(ctx, pool, likeEscape(b.Group))
+	if b.ClearAfter {
+		// Every measurement leaves the tables as it found them: the next
+		// one then inserts its rows as this one did, instead of updating
+		// this one's, and a claim table grown by earlier runs slows none.
+		clearBenchRows(ctx, pool, likeEscape(b.Group), b.ClaimsSince, d.stderr)
+	}
 	return json.NewEncoder(d.stdout).Encode(f)
 }
 
@@ -203,10 +206,10 @@ func (b *benchRunCmd) wait(ctx context.Context, c *clock) error {
 }
 
 // events makes n events as app bench publishes them.
-func benchEvents(n int, customersFrom int64) [][]byte {
+func benchEvents(n int) [][]byte {
 	out := make([][]byte, n)
 	for i := range out {
-		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, customersFrom+int64(i), customersFrom+rand.Int64N(10000),
+		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, benchCustomers+int64(i), benchCustomers+rand.Int64N(benchCustomerCount),
 			decimal.New(100+rand.Int64N(100000), -2))
 		if err != nil {
 			panic(err) // the values above are always valid
@@ -263,7 +266,7 @@ func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, 
 			}
 		})
 	}
-	for _, p := range benchEvents(b.Events, b.Customers) {
+	for _, p := range benchEvents(b.Events) {
 		work <- p
 	}
 	close(work)
@@ -281,7 +284,7 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	if err != nil {
 		return err
 	}
-	payloads := benchEvents(b.Events, b.Customers)
+	payloads := benchEvents(b.Events)
 	chunks := make(chan [][]byte)
 	go func() {
 		defer close(chunks)

@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -20,10 +21,12 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/retention"
 )
 
 type benchCmd struct {
@@ -86,6 +89,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	_ = pool.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).Scan(&server, &fsync, &syncCommit)
 
 	run := "bench-" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	started := time.Now()
 	line := progress.New(d.stderr)
 	defer line.Done()
 	admin, err := sarama.NewClusterAdmin(b.Brokers, pipeline.PublisherSaramaConfig(version))
@@ -94,7 +98,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	}
 	defer admin.Close()
 	var topics, groups []string
-	defer func() { b.cleanup(context.WithoutCancel(ctx), pool, admin, run, topics, groups) }()
+	defer func() { b.cleanup(context.WithoutCancel(ctx), pool, admin, run, started, topics, groups) }()
 
 	// One topic per partition count, each written once; every variant reads
 	// it with a consumer group of its own.
@@ -111,7 +115,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			return err
 		}
 		topics, topicOf[p] = append(topics, topic), topic
-		payloads := benchEvents(counts[p], benchCustomers)
+		payloads := benchEvents(counts[p])
 		if err := publishBench(b.Brokers, version, topic, payloads, func(n int) { line.Set("publishing %s: %d/%d", topic, n, len(payloads)) }); err != nil {
 			return err
 		}
@@ -125,7 +129,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		measurements++
 		group := fmt.Sprintf("%s.%d.%s.p%d", run, measurements, strings.ToLower(variant), partitions)
 		groups = append(groups, group)
-		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions))
+		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions), started)
 		if err != nil {
 			line.Done()
 			fmt.Fprintf(d.stderr, "bench %s: %v\n", variant, err)
@@ -148,7 +152,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 				group := fmt.Sprintf("%s.peer%d", run, round)
 				groups = append(groups, group)
 				rounds[v.name] = append(rounds[v.name], b.peer(ctx, d, topicOf[b.Partitions], group))
-				clearBenchRows(ctx, pool, likeEscape(group))
+				clearBenchRows(ctx, pool, likeEscape(group), started, d.stderr)
 				continue
 			}
 			rounds[v.name] = append(rounds[v.name], measure(v.name, b.Partitions, b.Events))
@@ -236,17 +240,20 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	return nil
 }
 
-// benchCustomers is where the generated events' customer and order ids
-// start, and throughputDay the day they all happened on: a real customer id
-// may well be that large (ids drawn at random up to 2^63 mostly are), but
-// not with an order dated that day, so cleanup finds app bench's rows and
-// only them.
-const benchCustomers = 8_000_000_000_000_000
+// The generated events' customers are the benchCustomerCount ids from
+// benchCustomers on, and every event happened on throughputDay: a real
+// customer id may well lie in that range (ids drawn at random up to 2^63
+// mostly are that large), but hardly with an order dated that day, so
+// cleanup finds app bench's rows by both, and only them.
+const (
+	benchCustomers     = 8_000_000_000_000_000
+	benchCustomerCount = 10_000
+)
 
 var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
 
 // child runs one measurement in a process of its own and adds its peak RSS.
-func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int) (benchFigures, error) {
+func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int, since time.Time) (benchFigures, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return benchFigures{}, err
@@ -255,7 +262,7 @@ func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group stri
 		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(partitions), "--batch-size", strconv.Itoa(b.BatchSize), "--batch-concurrency", strconv.Itoa(b.BatchConc),
 		"--kafka-brokers", strings.Join(b.Brokers, ","), "--kafka-version", b.KafkaVersion,
 		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(max(partitions+4, 8)),
-		"--customers-from", strconv.FormatInt(benchCustomers+int64(time.Now().UnixNano()%1_000_000_000)*100, 10)}
+		"--clear-after", "--claims-since", since.Format(time.RFC3339Nano)}
 	cmd := exec.CommandContext(ctx, self, args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, d.stderr
@@ -328,7 +335,7 @@ func (b *benchCmd) peer(ctx context.Context, d deps, topic, group string) benchF
 
 // cleanup removes what the run made: its topics, consumer groups, claims
 // and analytics rows.
-func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama.ClusterAdmin, run string, topics, groups []string) {
+func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama.ClusterAdmin, run string, started time.Time, topics, groups []string) {
 	for _, t := range topics {
 		if b.KeepTopics {
 			fmt.Fprintf(os.Stderr, "kept topic %s\n", t)
@@ -339,16 +346,35 @@ func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama
 	for _, g := range groups {
 		_ = admin.DeleteConsumerGroup(g)
 	}
-	clearBenchRows(ctx, pool, likeEscape(run)+".%")
+	clearBenchRows(ctx, pool, likeEscape(run)+".%", started, os.Stderr)
 }
 
 // clearBenchRows deletes the claims of the consumer groups that match the
-// LIKE pattern groups, and the rows the generated events added.
-func clearBenchRows(ctx context.Context, pool *pgxpool.Pool, groups string) {
-	_, _ = pool.Exec(ctx, `DELETE FROM processed_event WHERE consumer_group LIKE $1`, groups)
-	_, _ = pool.Exec(ctx, `DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND day = $2`, int64(benchCustomers), throughputDay)
-	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, groups)
-	_, _ = pool.Exec(ctx, `DELETE FROM seedpeer.revenue WHERE customer_id >= $1 AND day = $2`, int64(benchCustomers), throughputDay)
+// LIKE pattern groups, made since the run started (the bound spares the
+// older daily partitions of a big claim table a scan), and the rows the
+// generated events added. What it cannot delete it says.
+func clearBenchRows(ctx context.Context, pool *pgxpool.Pool, groups string, since time.Time, log io.Writer) {
+	from := uuid.Nil
+	if !since.IsZero() {
+		from, _ = retention.DayRange(since)
+	}
+	for _, q := range []struct {
+		sql  string
+		args []any
+	}{
+		{`DELETE FROM processed_event WHERE consumer_group LIKE $1 AND event_id >= $2`, []any{groups, from}},
+		{`DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND customer_id < $2 AND day = $3`, []any{benchCustomers, benchCustomers + benchCustomerCount, throughputDay}},
+		{`DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, []any{groups}},
+		{`DELETE FROM seedpeer.revenue WHERE customer_id >= $1 AND customer_id < $2 AND day = $3`, []any{benchCustomers, benchCustomers + benchCustomerCount, throughputDay}},
+	} {
+		if _, err := pool.Exec(ctx, q.sql, q.args...); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42P01" && strings.Contains(q.sql, "seedpeer.") {
+				continue // the peer never ran here
+			}
+			fmt.Fprintf(log, "bench: cleanup left rows behind: %s: %v\n", strings.SplitN(q.sql, " WHERE", 2)[0], err)
+		}
+	}
 }
 
 func likeEscape(s string) string {
