@@ -23,6 +23,7 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "::nope", "--partitions", "1"}, "DATABASE_URL"},
 		{[]string{"migrate", "--database-url", "postgres://x@h/db", "--db-max-conns", "1"}, "ONCE_DB_MAX_CONNS"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--watch-interval", "10ms"}, "--watch-interval"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--kafka-start-timeout", "-1s"}, "--kafka-start-timeout"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-user", "u"}, "--kafka-sasl-mechanism"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--kafka-sasl-mechanism", "SCRAM-SHA-512"}, "KAFKA_SASL_PASSWORD"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--kafka-tls-ca", "/nonexistent.pem"}, "--kafka-tls-ca"},

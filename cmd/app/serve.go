@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"regexp"
 	"slices"
@@ -11,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -37,6 +40,7 @@ type serveCmd struct {
 	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
 	CommitInt      time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
 	AttemptTimeout time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
+	KafkaWait      time.Duration `name:"kafka-start-timeout" env:"ONCE_KAFKA_START_TIMEOUT" default:"2m" help:"At start-up, how long to wait for brokers that cannot be reached or are still starting (a restart, offsets loading, a leader election) before giving up; 0 gives up at once. Refused credentials or permissions stop start-up at once."`
 	DrainTimeout   time.Duration `name:"drain-timeout" env:"ONCE_DRAIN_TIMEOUT" default:"30s" help:"On SIGTERM, how long messages in flight may take to finish (and their offsets to be committed) before the process leaves anyway; what did not finish is delivered again."`
 	HoldMax        time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
 	Migrate        bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
@@ -135,6 +139,9 @@ func (s *serveCmd) Validate() error {
 	if s.AnalyticsBatch < 0 {
 		return fmt.Errorf("--analytics-batch (ONCE_ANALYTICS_BATCH) must not be negative")
 	}
+	if s.KafkaWait < 0 {
+		return fmt.Errorf("--kafka-start-timeout (ONCE_KAFKA_START_TIMEOUT) must not be negative")
+	}
 	if s.DrainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout (ONCE_DRAIN_TIMEOUT) must be positive")
 	}
@@ -223,7 +230,8 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pools.close()
-	if err := s.Kafka.ensureTopics(ctx); err != nil {
+	kafkaReady := s.kafkaWaiter(ctx, d)
+	if err := kafkaReady("create the topics", func() error { return s.Kafka.ensureTopics(ctx) }); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
 
@@ -303,8 +311,8 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	if err := o.metrics.Instrument(&cfg); err != nil {
 		return err
 	}
-	p, err := pipeline.New(cfg)
-	if err != nil {
+	var p *pipeline.Pipeline
+	if err := kafkaReady("connect", func() (err error) { p, err = pipeline.New(cfg); return err }); err != nil {
 		return err
 	}
 	for _, db := range pools.all {
@@ -367,7 +375,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 			}
 		})
 	}
-	if err := p.CheckAccess(ctx); err != nil {
+	if err := kafkaReady("check access to the topics and groups", func() error { return p.CheckAccess(ctx) }); err != nil {
 		p.Close()
 		return fmt.Errorf("KAFKA_BROKERS (%s): %w", s.Kafka.security, err)
 	}
@@ -381,4 +389,71 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	}
 	d.log.Info("stopped")
 	return nil
+}
+
+// kafkaWaiter returns how serve's start-up steps talk to Kafka: a step that
+// fails only because the brokers cannot be reached or are still starting is
+// tried again with backoff, a line saying so each time, until
+// --kafka-start-timeout after the first step; any other failure (refused
+// credentials, a missing permission, a bad setting) ends start-up at once.
+// A consumer restarted beside a restarting broker then waits for it instead
+// of exiting.
+func (s *serveCmd) kafkaWaiter(ctx context.Context, d deps) func(what string, step func() error) error {
+	deadline := time.Now().Add(s.KafkaWait)
+	return func(what string, step func() error) error {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return step()
+		}
+		exp := backoff.NewExponentialBackOff()
+		exp.MaxInterval = 5 * time.Second
+		_, err := backoff.Retry(ctx, func() (struct{}, error) {
+			err := step()
+			if err != nil && !kafkaUnavailable(err) {
+				return struct{}{}, backoff.Permanent(err)
+			}
+			return struct{}{}, err
+		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(left), backoff.WithNotify(func(err error, next time.Duration) {
+			d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
+		}))
+		if err != nil && kafkaUnavailable(err) {
+			return fmt.Errorf("%w (waited up to --kafka-start-timeout %s)", err, s.KafkaWait)
+		}
+		return err
+	}
+}
+
+// kafkaUnavailable reports whether err says only that the brokers could not
+// be reached or are not ready yet: every error it joins or wraps ends in a
+// network failure or in one of the broker states a restart or an election
+// passes through. An error that says anything else (authentication,
+// authorization, configuration) is not one.
+func kafkaUnavailable(err error) bool {
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		errs := joined.Unwrap()
+		for _, e := range errs {
+			if !kafkaUnavailable(e) {
+				return false
+			}
+		}
+		return len(errs) > 0
+	}
+	if inner := errors.Unwrap(err); inner != nil {
+		return kafkaUnavailable(inner)
+	}
+	var kerr sarama.KError
+	if errors.As(err, &kerr) {
+		return slices.Contains(kafkaStarting, kerr)
+	}
+	var netErr net.Error
+	return errors.Is(err, sarama.ErrOutOfBrokers) || errors.Is(err, sarama.ErrNotConnected) || errors.Is(err, io.EOF) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || (errors.As(err, &netErr) && netErr.Timeout())
+}
+
+// kafkaStarting are the broker answers of a cluster that is starting,
+// restarting or moving leaders: each passes by itself.
+var kafkaStarting = []sarama.KError{
+	sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition, sarama.ErrRequestTimedOut,
+	sarama.ErrBrokerNotAvailable, sarama.ErrReplicaNotAvailable, sarama.ErrNetworkException, sarama.ErrOffsetsLoadInProgress,
+	sarama.ErrConsumerCoordinatorNotAvailable, sarama.ErrNotCoordinatorForConsumer, sarama.ErrNotController,
 }

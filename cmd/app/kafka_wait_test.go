@@ -1,0 +1,147 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
+
+	"github.com/once-dev/once/internal/testenv"
+)
+
+// Only a broker that cannot be reached or is still starting is waited for;
+// anything that names another cause stops start-up at once.
+func TestKafkaUnavailableIsOnlyTheBrokersNotBeingThereYet(t *testing.T) {
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"connection refused", sarama.Wrap(sarama.ErrOutOfBrokers, refused), true},
+		{"out of brokers, no cause", sarama.ErrOutOfBrokers, true},
+		{"closed by a stopping broker", fmt.Errorf("kafka admin on [h:1]: %w", sarama.Wrap(sarama.ErrOutOfBrokers, io.EOF)), true},
+		{"offsets loading", fmt.Errorf("create topic t: %w", sarama.ErrOffsetsLoadInProgress), true},
+		{"topics and groups still loading", errors.Join(fmt.Errorf("topic a: %w", sarama.ErrUnknownTopicOrPartition),
+			fmt.Errorf("consumer group g: %w", sarama.ErrOffsetsLoadInProgress)), true},
+		{"a refused permission among them", errors.Join(fmt.Errorf("topic a: %w", sarama.ErrUnknownTopicOrPartition),
+			errors.New("User:svc is not authorized on topic b: it needs READ and DESCRIBE")), false},
+		{"a refused password", sarama.Wrap(sarama.ErrOutOfBrokers, fmt.Errorf("%w: bad credentials", sarama.ErrSASLAuthenticationFailed)), false},
+		{"a topic not authorized", fmt.Errorf("create topic t: %w", sarama.ErrTopicAuthorizationFailed), false},
+		{"a bad setting", sarama.ConfigurationError("Net.SASL.User must not be empty"), false},
+		{"something else", errors.New("boom"), false},
+	} {
+		if got := kafkaUnavailable(tc.err); got != tc.want {
+			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
+
+// forwardTo accepts on addr and forwards every connection to target: a
+// broker that comes up at addr.
+func forwardTo(t *testing.T, addr, target string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				b, err := net.Dial("tcp", target)
+				if err != nil {
+					return
+				}
+				defer b.Close()
+				go func() { _, _ = io.Copy(b, c) }()
+				_, _ = io.Copy(c, b)
+			}()
+		}
+	}()
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// serve started while its broker cannot be reached waits for it, says so,
+// and consumes once it is there; after --kafka-start-timeout it gives up,
+// naming the setting.
+func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	pool := testenv.Postgres(t)
+	serve := func(ctx context.Context, broker, ops, wait string, logs *lockedBuffer) <-chan error {
+		suffix := "." + uuid.NewString()[:8]
+		done := make(chan error, 1)
+		go func() {
+			done <- run(ctx, []string{"serve", "--kafka-brokers", broker, "--database-url", pool.Config().ConnString(),
+				"--topic-suffix", suffix, "--group-suffix", suffix, "--groups", "analytics", "--partitions", "2",
+				"--ops-listen", ops, "--watch-interval", "1s", "--maintenance-interval", "0", "--session-timeout", "6s",
+				"--kafka-start-timeout", wait}, logs, logs)
+		}()
+		return done
+	}
+
+	t.Run("comes up", func(t *testing.T) {
+		broker, ops := freeAddr(t), freeAddr(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		var logs lockedBuffer
+		done := serve(ctx, broker, ops, "60s", &logs)
+		testenv.Eventually(t, 30*time.Second, "a line saying serve waits for Kafka", func() bool {
+			return strings.Count(logs.String(), "waiting for Kafka") >= 2
+		})
+		select {
+		case err := <-done:
+			t.Fatalf("serve gave up while waiting: %v\n%s", err, logs.String())
+		default:
+		}
+		forwardTo(t, broker, brokers[0])
+		testenv.Eventually(t, 60*time.Second, "/readyz once the broker is there", func() bool {
+			code, _ := get("http://" + ops + "/readyz")
+			return code == 200
+		})
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatalf("serve: %v\n%s", err, logs.String())
+		}
+	})
+
+	t.Run("gives up", func(t *testing.T) {
+		var logs lockedBuffer
+		started := time.Now()
+		select {
+		case err := <-serve(context.Background(), freeAddr(t), freeAddr(t), "3s", &logs):
+			if err == nil || !strings.Contains(err.Error(), "KAFKA_BROKERS") || !strings.Contains(err.Error(), "--kafka-start-timeout") {
+				t.Fatalf("serve: %v; want an error naming KAFKA_BROKERS and --kafka-start-timeout", err)
+			}
+			if !strings.Contains(logs.String(), "waiting for Kafka") {
+				t.Fatalf("gave up without waiting:\n%s", logs.String())
+			}
+			t.Logf("gave up after %s: %v", time.Since(started).Round(time.Millisecond), err)
+		case <-time.After(60 * time.Second):
+			t.Fatal("serve did not give up within 60s of a 3s --kafka-start-timeout")
+		}
+	})
+}
