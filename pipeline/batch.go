@@ -214,6 +214,18 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 		b.signal()
 		b.mu.Unlock()
 
+		// decided takes the batch's verdict if it is there already: a
+		// message its batch decided is acknowledged even when the partition
+		// is revoked or the pipeline stops at the same moment.
+		decided := func() (error, bool) {
+			select {
+			case err := <-e.result:
+				// Run alone: not decided, and there is no running now.
+				return err, !errors.Is(err, idempotency.ErrRunAlone)
+			default:
+				return nil, false
+			}
+		}
 		ctxDone := msg.Context().Done()
 		for {
 			select {
@@ -226,13 +238,22 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 				}
 				return nil, err
 			case <-revokedOf(msg):
+				if err, ok := decided(); ok {
+					return nil, err
+				}
 				b.withdraw(e)
 				return nil, ErrRevoked
 			case <-b.p.stopping:
+				if err, ok := decided(); ok {
+					return nil, err
+				}
 				b.withdraw(e)
 				return nil, errShutdown
 			case <-ctxDone:
 				if b.p.stopped(msg) {
+					if err, ok := decided(); ok {
+						return nil, err
+					}
 					b.withdraw(e)
 					return nil, errShutdown
 				}

@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"errors"
+	"runtime"
 	"strconv"
 	"sync"
 	"testing"
@@ -226,5 +227,40 @@ func TestARunAloneAfterALongWaitGetsAFreshAttempt(t *testing.T) {
 	case id := <-f.ran:
 		t.Fatalf("%s ran the per-event claim on a dead context", id)
 	default:
+	}
+}
+
+// The pipeline stops while a message waits for its batch, and the batch
+// commits and hands out its verdict before the message's goroutine gets to
+// run: the message takes the verdict (its offset is committed on the clean
+// stop) instead of giving itself back to be redelivered as a duplicate. A
+// clean-clone CI run saw the duplicate redelivered and the offset left at 0.
+func TestAMessageItsBatchDecidedIsAcknowledgedWhenThePipelineStops(t *testing.T) {
+	// One P: the message's goroutine wakes on the stop but runs only once
+	// this one waits, after the verdict is in, as a busy machine orders it.
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	f := newBatchFixture(t, failingDB{})
+	owner, cancelOwner := context.WithCancel(context.Background())
+	defer cancelOwner()
+	msg, cancel := f.message(owner, 0)
+	defer cancel()
+	f.b.announce(msg)
+	verdict := f.claimAsync(msg)
+	var e *batchEntry
+	for e == nil {
+		runtime.Gosched()
+		f.b.mu.Lock()
+		if x := f.b.entries[entryKey{owner, msg.UUID}]; x != nil && x.state == waiting {
+			e = x
+		}
+		f.b.mu.Unlock()
+	}
+	close(f.p.stopping)
+	f.b.mu.Lock()
+	e.state = done
+	e.result <- nil // its batch committed it
+	f.b.mu.Unlock()
+	if err := <-verdict; err != nil {
+		t.Fatalf("claim: %v; want the batch's verdict (nil), not a give-back", err)
 	}
 }
