@@ -296,14 +296,23 @@ func New(cfg Config) (*Pipeline, error) {
 	}
 	pc := PublisherSaramaConfig(version)
 	cfg.Security.Apply(pc)
-	p.producer, err = sarama.NewSyncProducer(cfg.Brokers, pc)
+	// The producer's client is made here, not by NewSyncProducer, which
+	// leaves its client open when the producer fails (a broker still
+	// loading refuses the idempotent producer its id): a caller that tries
+	// New again would leak one client per try.
+	client, err := sarama.NewClient(cfg.Brokers, pc)
+	if err == nil {
+		if p.producer, err = sarama.NewSyncProducerFromClient(client); err != nil {
+			_ = client.Close()
+		}
+	}
 	if errors.Is(err, sarama.ErrClusterAuthorizationFailed) {
 		return nil, fmt.Errorf("pipeline: kafka producer on %v: %s may not produce (the idempotent producer of dead letters and outbox events needs WRITE on the dead-letter topics): %w", cfg.Brokers, cfg.Security.principal(), err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("pipeline: kafka producer on %v: %w", cfg.Brokers, err)
 	}
-	p.closers = append(p.closers, p.producer.Close)
+	p.closers = append(p.closers, func() error { return errors.Join(p.producer.Close(), client.Close()) })
 	p.kafkaPub = outbox.KafkaPublisher{Producer: p.producer}
 	if cfg.OnForwarded != nil {
 		p.kafkaPub.AfterPublish = func(topic string, m *message.Message) { cfg.OnForwarded(Forwarded{Topic: topic, ID: m.UUID}) }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"regexp"
@@ -393,16 +392,14 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 
 // kafkaWaiter returns how serve's start-up steps talk to Kafka: a step that
 // fails only because the brokers cannot be reached or are still starting is
-// tried again with backoff, a line saying so each time, until
-// --kafka-start-timeout after the first step; any other failure (refused
-// credentials, a missing permission, a bad setting) ends start-up at once.
-// A consumer restarted beside a restarting broker then waits for it instead
-// of exiting.
+// tried again with backoff, a line saying so each time, for up to
+// --kafka-start-timeout (each step its own: a database wait in between
+// takes nothing from it); any other failure (refused credentials, a missing
+// permission, a bad setting) ends start-up at once. A consumer restarted
+// beside a restarting broker then waits for it instead of exiting.
 func (s *serveCmd) kafkaWaiter(ctx context.Context, d deps) func(what string, step func() error) error {
-	deadline := time.Now().Add(s.KafkaWait)
 	return func(what string, step func() error) error {
-		left := time.Until(deadline)
-		if left <= 0 {
+		if s.KafkaWait == 0 {
 			return step()
 		}
 		exp := backoff.NewExponentialBackOff()
@@ -413,7 +410,7 @@ func (s *serveCmd) kafkaWaiter(ctx context.Context, d deps) func(what string, st
 				return struct{}{}, backoff.Permanent(err)
 			}
 			return struct{}{}, err
-		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(left), backoff.WithNotify(func(err error, next time.Duration) {
+		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(s.KafkaWait), backoff.WithNotify(func(err error, next time.Duration) {
 			d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
 		}))
 		if err != nil && kafkaUnavailable(err) {
@@ -445,9 +442,11 @@ func kafkaUnavailable(err error) bool {
 	if errors.As(err, &kerr) {
 		return slices.Contains(kafkaStarting, kerr)
 	}
+	// Not io.EOF, nor an ErrOutOfBrokers without a cause: that is what a TLS
+	// client on a plaintext listener sees, and what sarama leaves of a SASL
+	// mechanism the broker refuses.
 	var netErr net.Error
-	return errors.Is(err, sarama.ErrOutOfBrokers) || errors.Is(err, sarama.ErrNotConnected) || errors.Is(err, io.EOF) ||
-		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || (errors.As(err, &netErr) && netErr.Timeout())
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || (errors.As(err, &netErr) && netErr.Timeout())
 }
 
 // kafkaStarting are the broker answers of a cluster that is starting,
