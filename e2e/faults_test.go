@@ -409,6 +409,21 @@ func (s *scenario) waitAnalyticsClaims(events []order.Confirmed, timeout time.Du
 	}
 }
 
+// waitClaims waits until group (billingGroup, analyticsGroup) has claimed
+// at least n events: its consumers are past start-up and at work.
+func (s *scenario) waitClaims(group string, n int, timeout time.Duration) {
+	s.t.Helper()
+	for deadline := time.Now().Add(timeout); ; time.Sleep(100 * time.Millisecond) {
+		var claimed int
+		if err := s.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, s.group(group)).Scan(&claimed); err == nil && claimed >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("%s claimed fewer than %d events within %s: its consumers are not at work", s.group(group), n, timeout)
+		}
+	}
+}
+
 // analyticsClaimsOf counts analytics' claims of events.
 func (s *scenario) analyticsClaimsOf(events []order.Confirmed) int {
 	ids := make([]string, 0, len(events))

@@ -235,7 +235,11 @@ func TestPostgresRestart(t *testing.T) {
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
 	done := make(chan struct{})
 	go func() { defer close(done); s.publish(scale(600), 100*time.Millisecond) }()
-	time.Sleep(2 * time.Second)
+	// Restart only once billing is charging: a consumer still starting when
+	// the server restarts has no attempt in flight to break (a clean-clone
+	// CI run restarted it too early and saw no attempt held).
+	s.waitClaims(billingGroup, 3, 60*time.Second)
+	time.Sleep(500 * time.Millisecond)
 	if out, err := exec.Command(pgScript, "restart").CombinedOutput(); err != nil {
 		t.Fatalf("restart PostgreSQL: %v\n%s", err, out)
 	}
