@@ -492,7 +492,7 @@ func (s *scenario) leaderOf(topic string, partition int32) int32 {
 // scenario's topics and returns its process; placeOrder talks to it.
 func (s *scenario) startOrders() *proc {
 	s.t.Helper()
-	addr := freePort(s.t)
+	addr := testenv.FreeAddr(s.t)
 	p := s.start("orders", "orders", "--listen", addr, "--topic-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts), "--log-level", "warn")
 	s.ordersURL = "http://" + addr
 	deadline := time.Now().Add(30 * time.Second)

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -231,22 +230,12 @@ func tail(path string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 // startProvider runs `app payment-provider` with the given fault flags and
 // waits until it answers. It reuses the address across restarts.
 func (s *scenario) startProvider(flags ...string) {
 	s.t.Helper()
 	if s.providerURL == "" {
-		s.providerURL = "http://" + freePort(s.t)
+		s.providerURL = "http://" + testenv.FreeAddr(s.t)
 	}
 	args := append([]string{"payment-provider", "--no-migrate", "--listen", strings.TrimPrefix(s.providerURL, "http://"),
 		"--in-flight-timeout", "3s", "--log-level", "warn"}, flags...)

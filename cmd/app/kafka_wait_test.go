@@ -80,16 +80,6 @@ func forwardTo(t *testing.T, addr, target string) {
 	}()
 }
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 // serve started while its broker cannot be reached waits for it, says so,
 // and consumes once it is there; after --kafka-start-timeout it gives up,
 // naming the setting.
@@ -109,7 +99,7 @@ func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
 	}
 
 	t.Run("comes up", func(t *testing.T) {
-		broker, ops := freeAddr(t), freeAddr(t)
+		broker, ops := testenv.FreeAddr(t), testenv.FreeAddr(t)
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		var logs lockedBuffer
@@ -137,7 +127,7 @@ func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
 		var logs lockedBuffer
 		started := time.Now()
 		select {
-		case err := <-serve(context.Background(), freeAddr(t), freeAddr(t), "3s", &logs):
+		case err := <-serve(context.Background(), testenv.FreeAddr(t), testenv.FreeAddr(t), "3s", &logs):
 			if err == nil || !strings.Contains(err.Error(), "KAFKA_BROKERS") || !strings.Contains(err.Error(), "--kafka-start-timeout") {
 				t.Fatalf("serve: %v; want an error naming KAFKA_BROKERS and --kafka-start-timeout", err)
 			}

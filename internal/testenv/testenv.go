@@ -7,6 +7,7 @@ package testenv
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -209,4 +210,16 @@ func OtherPostgres(t testing.TB, name string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// FreeAddr is a loopback address no listener holds at the moment, for a
+// server a test starts (or, for a while, does not).
+func FreeAddr(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
 }
