@@ -214,17 +214,21 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 		b.signal()
 		b.mu.Unlock()
 
-		// decided takes the batch's verdict if it is there already: a
-		// message its batch decided is acknowledged even when the partition
-		// is revoked or the pipeline stops at the same moment.
-		decided := func() (error, bool) {
+		// giveUp leaves the wait for why (a revocation, the shutdown), unless
+		// the batch's verdict is there already: a message its batch decided
+		// is acknowledged even when the partition is revoked or the pipeline
+		// stops at the same moment. (Run alone is no verdict: there is no
+		// running now.)
+		giveUp := func(why error) ([]*message.Message, error) {
 			select {
 			case err := <-e.result:
-				// Run alone: not decided, and there is no running now.
-				return err, !errors.Is(err, idempotency.ErrRunAlone)
+				if !errors.Is(err, idempotency.ErrRunAlone) {
+					return nil, err
+				}
 			default:
-				return nil, false
 			}
+			b.withdraw(e)
+			return nil, why
 		}
 		ctxDone := msg.Context().Done()
 		for {
@@ -238,24 +242,12 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 				}
 				return nil, err
 			case <-revokedOf(msg):
-				if err, ok := decided(); ok {
-					return nil, err
-				}
-				b.withdraw(e)
-				return nil, ErrRevoked
+				return giveUp(ErrRevoked)
 			case <-b.p.stopping:
-				if err, ok := decided(); ok {
-					return nil, err
-				}
-				b.withdraw(e)
-				return nil, errShutdown
+				return giveUp(errShutdown)
 			case <-ctxDone:
 				if b.p.stopped(msg) {
-					if err, ok := decided(); ok {
-						return nil, err
-					}
-					b.withdraw(e)
-					return nil, errShutdown
+					return giveUp(errShutdown)
 				}
 				// The attempt's time (or a team's timeout) ran out while it
 				// waited for the messages before it, a wait that is not its
