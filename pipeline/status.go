@@ -202,10 +202,7 @@ func (p *Pipeline) CheckAccess(ctx context.Context) error {
 	for _, m := range meta {
 		switch {
 		case errors.Is(m.Err, sarama.ErrTopicAuthorizationFailed):
-			what := "READ and DESCRIBE (to consume it)"
-			if slices.Contains(p.dlqTopics, m.Name) {
-				what = "WRITE and DESCRIBE (to publish dead letters)"
-			}
+			_, what := p.topicNeeds(m.Name)
 			errs = append(errs, fmt.Errorf("%s is not authorized on topic %s: it needs %s", principal, m.Name, what))
 		case m.Err != sarama.ErrNoError:
 			errs = append(errs, fmt.Errorf("topic %s: %w", m.Name, m.Err))
@@ -243,6 +240,16 @@ const (
 	aclDescribe = 8
 )
 
+// topicNeeds is what the pipeline's principal must be allowed on topic:
+// READ and DESCRIBE on one it consumes, WRITE and DESCRIBE on a dead-letter
+// topic; and how an error says so.
+func (p *Pipeline) topicNeeds(topic string) (ops []int, what string) {
+	if slices.Contains(p.dlqTopics, topic) {
+		return []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to publish dead letters)"
+	}
+	return []int{aclRead, aclDescribe}, "READ and DESCRIBE (to consume it)"
+}
+
 // checkTopicOperations asks the broker what the principal may do on each
 // topic (metadata v8's authorized operations): READ on the topics it
 // consumes, WRITE on the dead-letter topics. A broker without an
@@ -275,10 +282,7 @@ func (p *Pipeline) checkTopicOperations(topics []string, principal string) []err
 		if ops == math.MinInt32 {
 			continue // not reported
 		}
-		need, what := []int{aclRead, aclDescribe}, "READ and DESCRIBE (to consume it)"
-		if slices.Contains(p.dlqTopics, t.Name) {
-			need, what = []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to publish dead letters)"
-		}
+		need, what := p.topicNeeds(t.Name)
 		for _, op := range need {
 			if ops&(1<<op) == 0 {
 				errs = append(errs, fmt.Errorf("%s is not authorized on topic %s: it needs %s", principal, t.Name, what))
