@@ -229,8 +229,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pools.close()
-	kafkaReady := s.kafkaWaiter(ctx, d)
-	if err := kafkaReady("create the topics", func() error { return s.Kafka.ensureTopics(ctx) }); err != nil {
+	if err := s.waitForKafka(ctx, d, "create the topics", func() error { return s.Kafka.ensureTopics(ctx) }); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
 
@@ -311,7 +310,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	var p *pipeline.Pipeline
-	if err := kafkaReady("connect", func() (err error) { p, err = pipeline.New(cfg); return err }); err != nil {
+	if err := s.waitForKafka(ctx, d, "connect", func() (err error) { p, err = pipeline.New(cfg); return err }); err != nil {
 		return err
 	}
 	for _, db := range pools.all {
@@ -374,7 +373,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 			}
 		})
 	}
-	if err := kafkaReady("check access to the topics and groups", func() error { return p.CheckAccess(ctx) }); err != nil {
+	if err := s.waitForKafka(ctx, d, "check access to the topics and groups", func() error { return p.CheckAccess(ctx) }); err != nil {
 		p.Close()
 		return fmt.Errorf("KAFKA_BROKERS (%s): %w", s.Kafka.security, err)
 	}
@@ -390,34 +389,33 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	return nil
 }
 
-// kafkaWaiter returns how serve's start-up steps talk to Kafka: a step that
-// fails only because the brokers cannot be reached or are still starting is
-// tried again with backoff, a line saying so each time, for up to
-// --kafka-start-timeout (each step its own: a database wait in between
-// takes nothing from it); any other failure (refused credentials, a missing
-// permission, a bad setting) ends start-up at once. A consumer restarted
-// beside a restarting broker then waits for it instead of exiting.
-func (s *serveCmd) kafkaWaiter(ctx context.Context, d deps) func(what string, step func() error) error {
-	return func(what string, step func() error) error {
-		if s.KafkaWait == 0 {
-			return step()
-		}
-		exp := backoff.NewExponentialBackOff()
-		exp.MaxInterval = 5 * time.Second
-		_, err := backoff.Retry(ctx, func() (struct{}, error) {
-			err := step()
-			if err != nil && !kafkaUnavailable(err) {
-				return struct{}{}, backoff.Permanent(err)
-			}
-			return struct{}{}, err
-		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(s.KafkaWait), backoff.WithNotify(func(err error, next time.Duration) {
-			d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
-		}))
-		if err != nil && kafkaUnavailable(err) {
-			return fmt.Errorf("%w (waited up to --kafka-start-timeout %s)", err, s.KafkaWait)
-		}
-		return err
+// waitForKafka runs step, one of serve's start-up steps that talk to Kafka
+// (what names it in the log). A step that fails only because the brokers
+// cannot be reached or are still starting is tried again with backoff, a
+// line saying so each time, for up to --kafka-start-timeout (each step its
+// own: a database wait in between takes nothing from it); any other failure
+// (refused credentials, a missing permission, a bad setting) ends start-up
+// at once. A consumer restarted beside a restarting broker then waits for
+// it instead of exiting.
+func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step func() error) error {
+	if s.KafkaWait == 0 {
+		return step()
 	}
+	exp := backoff.NewExponentialBackOff()
+	exp.MaxInterval = 5 * time.Second
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		err := step()
+		if err != nil && !kafkaUnavailable(err) {
+			return struct{}{}, backoff.Permanent(err)
+		}
+		return struct{}{}, err
+	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(s.KafkaWait), backoff.WithNotify(func(err error, next time.Duration) {
+		d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
+	}))
+	if err != nil && kafkaUnavailable(err) {
+		return fmt.Errorf("%w (waited up to --kafka-start-timeout %s)", err, s.KafkaWait)
+	}
+	return err
 }
 
 // kafkaUnavailable reports whether err says only that the brokers could not
