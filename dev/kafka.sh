@@ -50,22 +50,26 @@ resolve_jars() {
 
 java_run() { java -Xmx256m -cp "$lib/*" -Dorg.slf4j.simpleLogger.defaultLogLevel=warn "$@"; }
 
-# single_node_props PARTITIONS OFFSETS_PARTITIONS: what a one-broker
-# cluster needs (replication factor 1 everywhere), and no topic made by
-# accident.
-single_node_props() {
+# topic_props PARTITIONS OFFSETS_PARTITIONS REPLICAS MIN_ISR: the
+# partitions and replication of the topics and of Kafka's internal ones, no
+# rebalance delay, and no topic made by accident.
+topic_props() {
 	cat <<PROPS
 num.partitions=$1
 offsets.topic.num.partitions=$2
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+offsets.topic.replication.factor=$3
+transaction.state.log.replication.factor=$3
+transaction.state.log.min.isr=$4
+share.coordinator.state.topic.replication.factor=$3
+share.coordinator.state.topic.min.isr=$4
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
 PROPS
 }
+
+# single_node_props PARTITIONS OFFSETS_PARTITIONS: what a one-broker
+# cluster needs (replication factor 1 everywhere).
+single_node_props() { topic_props "$1" "$2" 1 1; }
 
 write_config() {
 	mkdir -p "$data"
@@ -205,19 +209,11 @@ controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$cdir/$n/data
-num.partitions=3
 default.replication.factor=3
 min.insync.replicas=2
-offsets.topic.num.partitions=4
-offsets.topic.replication.factor=3
-transaction.state.log.replication.factor=3
-transaction.state.log.min.isr=2
-share.coordinator.state.topic.replication.factor=3
-share.coordinator.state.topic.min.isr=2
-group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=false
 unclean.leader.election.enable=false
 PROPS
+	topic_props 3 4 3 2 >>"$cdir/$n/server.properties"
 }
 
 cluster_pid() { broker_pid "$cdir/$1/kafka.pid"; } # node
