@@ -366,8 +366,9 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 			items := make([]batchItem, len(ready))
 			for i, e := range ready {
 				e.state = inBatch
-				frozen := message.NewMessage(e.msg.UUID, e.msg.Payload)
-				frozen.Metadata = maps.Clone(e.msg.Metadata)
+				// Not NewMessage: nothing acknowledges the copy, so it needs
+				// none of the acknowledgement channels NewMessage makes.
+				frozen := &message.Message{UUID: e.msg.UUID, Metadata: maps.Clone(e.msg.Metadata), Payload: e.msg.Payload}
 				frozen.SetContext(e.ctx)
 				items[i] = batchItem{e: e, msg: e.msg, frozen: frozen}
 			}

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strconv"
@@ -47,6 +48,7 @@ type benchRunCmd struct {
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
+	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the measurement to this file (every allocation sampled; slower)."`
 }
 
 // benchFigures is what a measurement reports.
@@ -148,6 +150,16 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if b.MemProfile != "" {
+		// Every allocation, so that the profile counts allocations per
+		// event instead of estimating them.
+		runtime.MemProfileRate = 1
+		defer func() {
+			if err := writeProfile("allocs", b.MemProfile); err != nil {
+				fmt.Fprintf(d.stderr, "memprofile: %v\n", err)
+			}
+		}()
 	}
 	// Quiet: a measurement logs only what goes wrong.
 	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -432,4 +444,16 @@ func publishBench(brokers []string, version sarama.KafkaVersion, topic string, p
 		progress(i + len(msgs))
 	}
 	return nil
+}
+
+func writeProfile(name, path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := pprof.Lookup(name).WriteTo(f, 0); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/once-dev/once/internal/durable"
 )
@@ -132,16 +133,18 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return runAlone()
 	}
-	claimedAt := map[uuid.UUID]time.Time{}
-	var retentionSeconds *int64
+	claimedAt := make(map[uuid.UUID]time.Time, len(batchKeys))
+	// pgtype targets: a uuid.UUID is scanned through its sql.Scanner, as
+	// text, and a *int64 is allocated again for every row.
+	var retentionSeconds pgtype.Int8
 	for rows.Next() {
-		var key uuid.UUID
+		var key pgtype.UUID
 		var at time.Time
 		if err := rows.Scan(&key, &at, &retentionSeconds); err != nil {
 			rows.Close()
 			return runAlone()
 		}
-		claimedAt[key] = at
+		claimedAt[key.Bytes] = at
 	}
 	if rows.Err() != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", rows.Err())
@@ -163,13 +166,13 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 			return runAlone()
 		}
 		for rows.Next() {
-			var key uuid.UUID
+			var key pgtype.UUID
 			var sum []byte
 			if err := rows.Scan(&key, &sum); err != nil {
 				rows.Close()
 				return runAlone()
 			}
-			stored[key] = sum
+			stored[key.Bytes] = sum
 		}
 		if rows.Err() != nil {
 			return runAlone()
@@ -195,8 +198,8 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	// outside it fails the batch; on its own it is dead-lettered, and the
 	// others are processed.
 	maxAge := m.cfg.MaxEventAge
-	if retentionSeconds != nil && maxAge > 0 {
-		maxAge = min(maxAge, time.Duration(*retentionSeconds)*time.Second-m.cfg.MaxClockSkew)
+	if retentionSeconds.Valid && maxAge > 0 {
+		maxAge = min(maxAge, time.Duration(retentionSeconds.Int64)*time.Second-m.cfg.MaxClockSkew)
 	}
 	var claimed []*message.Message
 	var claimedIdx []int
