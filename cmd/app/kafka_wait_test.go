@@ -123,6 +123,28 @@ func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
 		}
 	})
 
+	t.Run("stops cleanly when asked to while waiting", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		var logs lockedBuffer
+		done := serve(ctx, testenv.FreeAddr(t), testenv.FreeAddr(t), "60s", &logs)
+		testenv.Eventually(t, 30*time.Second, "a line saying serve waits for Kafka", func() bool {
+			return strings.Contains(logs.String(), "waiting for Kafka")
+		})
+		cancel() // what SIGTERM does to serve's context
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("serve stopped during its wait returned %v; want a clean stop\n%s", err, logs.String())
+			}
+			if !strings.Contains(logs.String(), "stopped while waiting for Kafka at start-up") {
+				t.Fatalf("no line saying why serve stopped:\n%s", logs.String())
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("serve did not stop within 30s of being asked to while waiting for Kafka")
+		}
+	})
+
 	t.Run("gives up", func(t *testing.T) {
 		var logs lockedBuffer
 		started := time.Now()

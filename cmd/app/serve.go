@@ -208,7 +208,13 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 
 var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
-func (s *serveCmd) Run(ctx context.Context, d deps) error {
+func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
+	defer func() {
+		if errors.Is(err, errStoppedWhileWaitingForKafka) {
+			d.log.Info("stopped while waiting for Kafka at start-up")
+			err = nil
+		}
+	}()
 	o, err := newOps(s.Ops)
 	if err != nil {
 		return err
@@ -412,11 +418,18 @@ func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step f
 	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(s.KafkaWait), backoff.WithNotify(func(err error, next time.Duration) {
 		d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
 	}))
+	if err != nil && ctx.Err() != nil {
+		// Asked to stop (SIGTERM) while waiting: a clean stop, not a failure
+		// to start.
+		return errStoppedWhileWaitingForKafka
+	}
 	if err != nil && kafkaUnavailable(err) {
 		return fmt.Errorf("%w (waited up to --kafka-start-timeout %s)", err, s.KafkaWait)
 	}
 	return err
 }
+
+var errStoppedWhileWaitingForKafka = errors.New("stopped while waiting for Kafka at start-up")
 
 // kafkaUnavailable reports whether err says only that the brokers could not
 // be reached or are not ready yet: every error it joins or wraps ends in a
