@@ -14,6 +14,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/once-dev/once/internal/testenv"
 )
@@ -46,6 +47,36 @@ func TestKafkaUnavailableIsOnlyTheBrokersNotBeingThereYet(t *testing.T) {
 		{"something else", errors.New("boom"), false},
 	} {
 		if got := kafkaUnavailable(tc.err); got != tc.want {
+			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
+
+// Stopped while starting, serve exits cleanly only when the stop is all its
+// error says: a permission refused at that moment still fails the run
+// (review finding: any error that came with the stop was swallowed).
+func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	dialCanceled := &net.OpError{Op: "dial", Net: "tcp", Err: context.Canceled}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, dialErr := (&net.Dialer{}).DialContext(ctx, "tcp", "127.0.0.1:1")
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"the backoff's cancellation", fmt.Errorf("KAFKA_BROKERS: %w", context.Canceled), true},
+		{"a dial cancelled by the stop", fmt.Errorf("DATABASE_URL: %w", dialCanceled), true},
+		{"the standard library's cancelled dial", fmt.Errorf("DATABASE_URL: %w", dialErr), true},
+		{"a broker still unreachable", fmt.Errorf("KAFKA_BROKERS: %w", sarama.Wrap(sarama.ErrOutOfBrokers, refused)), true},
+		{"a permission found before the stop", fmt.Errorf("KAFKA_BROKERS: %w", errors.Join(
+			errors.New("User:svc is not authorized on topic b: it needs READ and DESCRIBE"), context.Canceled)), false},
+		{"a refused principal at the stop", fmt.Errorf("KAFKA_BROKERS: %w", sarama.ErrClusterAuthorizationFailed), false},
+		{"a refused password at the stop", fmt.Errorf("DATABASE_URL: %w", errors.Join(
+			&pgconn.PgError{Code: "28P01", Message: "password authentication failed for user \"once\""}, context.Canceled)), false},
+	} {
+		if got := onlyTheStop(tc.err); got != tc.want {
 			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
 		}
 	}
@@ -137,7 +168,7 @@ func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
 			if err != nil {
 				t.Fatalf("serve stopped during its wait returned %v; want a clean stop\n%s", err, logs.String())
 			}
-			if !strings.Contains(logs.String(), "stopped while waiting for Kafka at start-up") {
+			if !strings.Contains(logs.String(), "stopped during start-up") {
 				t.Fatalf("no line saying why serve stopped:\n%s", logs.String())
 			}
 		case <-time.After(30 * time.Second):

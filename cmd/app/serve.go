@@ -210,8 +210,11 @@ var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
 func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 	defer func() {
-		if errors.Is(err, errStoppedWhileWaitingForKafka) {
-			d.log.Info("stopped while waiting for Kafka at start-up")
+		if err != nil && ctx.Err() != nil && onlyTheStop(err) {
+			// Asked to stop (SIGTERM) while starting: waiting for Kafka or
+			// for the database is not a failure to start. Any other error
+			// in err still fails the run.
+			d.log.Info("stopped during start-up", "while", err)
 			err = nil
 		}
 	}()
@@ -418,18 +421,11 @@ func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step f
 	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(s.KafkaWait), backoff.WithNotify(func(err error, next time.Duration) {
 		d.log.Warn("waiting for Kafka", "step", what, "retry_in", next.Round(time.Millisecond), "err", err)
 	}))
-	if err != nil && ctx.Err() != nil {
-		// Asked to stop (SIGTERM) while waiting: a clean stop, not a failure
-		// to start.
-		return errStoppedWhileWaitingForKafka
-	}
 	if err != nil && kafkaUnavailable(err) {
 		return fmt.Errorf("%w (waited up to --kafka-start-timeout %s)", err, s.KafkaWait)
 	}
 	return err
 }
-
-var errStoppedWhileWaitingForKafka = errors.New("stopped while waiting for Kafka at start-up")
 
 // kafkaUnavailable reports whether err says only that the brokers could not
 // be reached or are not ready yet: every error it joins or wraps ends in a
@@ -437,18 +433,39 @@ var errStoppedWhileWaitingForKafka = errors.New("stopped while waiting for Kafka
 // passes through. An error that says anything else (authentication,
 // authorization, configuration) is not one.
 func kafkaUnavailable(err error) bool {
-	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+	return everyCause(err, brokerNotThereYet)
+}
+
+// onlyTheStop reports whether err says only that start-up was interrupted
+// by the stop while it waited: every cause is the cancellation, or a broker
+// not there yet. A refused permission found meanwhile is not.
+func onlyTheStop(err error) bool {
+	return everyCause(err, func(cause error) bool {
+		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause)
+	})
+}
+
+// everyCause reports whether ok holds for every error at the end of err's
+// chains (what it joins or wraps, down to errors that wrap nothing).
+func everyCause(err error, ok func(cause error) bool) bool {
+	if joined, isJoined := err.(interface{ Unwrap() []error }); isJoined {
 		errs := joined.Unwrap()
 		for _, e := range errs {
-			if !kafkaUnavailable(e) {
+			if !everyCause(e, ok) {
 				return false
 			}
 		}
 		return len(errs) > 0
 	}
 	if inner := errors.Unwrap(err); inner != nil {
-		return kafkaUnavailable(inner)
+		return everyCause(inner, ok)
 	}
+	return ok(err)
+}
+
+// brokerNotThereYet is a cause of kafkaUnavailable: a network failure, or a
+// broker state that a restart passes through.
+func brokerNotThereYet(err error) bool {
 	var kerr sarama.KError
 	if errors.As(err, &kerr) {
 		return slices.Contains(kafkaStarting, kerr)
