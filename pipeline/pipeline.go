@@ -252,6 +252,12 @@ type Pipeline struct {
 	ownRouter bool
 	stopping  chan struct{}
 	stopOnce  sync.Once
+	// runMu orders Run's start against Close: a router that never ran has
+	// no handler to wait for, and Watermill's Close would wait its whole
+	// CloseTimeout for them (serve failing its access check at start-up).
+	runMu     sync.Mutex
+	ran       bool
+	closed    bool
 	producer  sarama.SyncProducer // dead letters and outbox events
 	kafkaPub  outbox.KafkaPublisher
 	batchers  []*batcher // the group commits of batched groups
@@ -356,6 +362,13 @@ func New(cfg Config) (*Pipeline, error) {
 // package). A team's router that already runs gets the pipeline's handlers
 // started, and is left running when ctx ends: stop it yourself.
 func (p *Pipeline) Run(ctx context.Context) error {
+	p.runMu.Lock()
+	if p.closed {
+		p.runMu.Unlock()
+		return errors.New("pipeline: Run after Close")
+	}
+	p.ran = true
+	p.runMu.Unlock()
 	defer p.Close()
 	// stopping is closed before the router's context is cancelled, so that
 	// an error caused by the cancellation is always seen as the shutdown's.
@@ -422,8 +435,12 @@ func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
 // close), and the Kafka clients.
 func (p *Pipeline) Close() error {
 	p.stop()
+	p.runMu.Lock()
+	ran := p.ran
+	p.closed = true
+	p.runMu.Unlock()
 	var errs []error
-	if p.ownRouter {
+	if p.ownRouter && ran {
 		errs = append(errs, p.router.Close())
 	}
 	for _, c := range p.closers {

@@ -314,3 +314,42 @@ func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
 	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
 	testenv.Eventually(t, 30*time.Second, "the event processed after its timed-out attempt", func() bool { return effects(t, e.pool, r.group) == 1 })
 }
+
+// CheckAccess stopped midway returns what it found before the stop with the
+// stop itself: serve's start-up then fails on the missing topic instead of
+// passing for a clean stop (review finding: the stop replaced the errors).
+func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
+	e := newEnv(t, 1)
+	missing := e.topic + ".missing"
+	r := &recorder{group: uniqueGroup("access")}
+	cfg := e.config()
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[order.Confirmed]{Name: missing, DLQ: e.dlq, Decode: order.DecodeConfirmed, Groups: []pipeline.Group[order.Confirmed]{group(r)}}}
+	cfg.CloseTimeout = 20 * time.Second
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		// A pipeline that never ran has nothing to wait for: Watermill's
+		// router waited its whole CloseTimeout for handlers never started.
+		closing := time.Now()
+		if err := p.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+		if took := time.Since(closing); took > cfg.CloseTimeout/2 {
+			t.Errorf("Close of a pipeline that never ran took %s; it waited for handlers never started", took.Round(time.Millisecond))
+		}
+		if err := p.Run(context.Background()); err == nil {
+			t.Error("Run after Close: nil; want an error")
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // stopped before the consumer groups are asked about
+	err = p.CheckAccess(ctx)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("CheckAccess after the stop: %v; want the stop among its errors", err)
+	}
+	if !contains(err.Error(), missing) {
+		t.Fatalf("CheckAccess after the stop: %v; want the missing topic %s named too", err, missing)
+	}
+}

@@ -214,7 +214,9 @@ func (p *Pipeline) CheckAccess(ctx context.Context) error {
 	checked := map[string]bool{}
 	for _, g := range p.groups {
 		if ctx.Err() != nil {
-			return ctx.Err()
+			// What was found so far is kept: stopping does not hide a
+			// missing permission.
+			return errors.Join(append(errs, ctx.Err())...)
 		}
 		if checked[g.group] {
 			continue
