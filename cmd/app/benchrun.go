@@ -48,7 +48,7 @@ type benchRunCmd struct {
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
-	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the measurement to this file (every allocation sampled; slower)."`
+	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the whole process to this file: every allocation is recorded, so the run is slower and its figures are not comparable."`
 }
 
 // benchFigures is what a measurement reports.
@@ -118,6 +118,17 @@ func (c *clock) figures(variant string) benchFigures {
 }
 
 func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
+	if b.MemProfile != "" {
+		// Every allocation, from the start (the rate must not change once
+		// allocations are recorded), so that the profile counts them
+		// instead of estimating them.
+		runtime.MemProfileRate = 1
+		defer func() {
+			if err := writeProfile("allocs", b.MemProfile); err != nil {
+				fmt.Fprintf(d.stderr, "memprofile: %v\n", err)
+			}
+		}()
+	}
 	pool, err := b.DB.connect(ctx)
 	if err != nil {
 		return err
@@ -150,16 +161,6 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
-	}
-	if b.MemProfile != "" {
-		// Every allocation, so that the profile counts allocations per
-		// event instead of estimating them.
-		runtime.MemProfileRate = 1
-		defer func() {
-			if err := writeProfile("allocs", b.MemProfile); err != nil {
-				fmt.Fprintf(d.stderr, "memprofile: %v\n", err)
-			}
-		}()
 	}
 	// Quiet: a measurement logs only what goes wrong.
 	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -447,6 +448,9 @@ func publishBench(brokers []string, version sarama.KafkaVersion, topic string, p
 }
 
 func writeProfile(name, path string) error {
+	// The profile is as of the last collection: one now counts the end of
+	// the run too.
+	runtime.GC()
 	f, err := os.Create(path)
 	if err != nil {
 		return err
