@@ -634,15 +634,29 @@ func TestARecordedShorterRetentionTightensTheHorizon(t *testing.T) {
 		}
 		return newMessage(id, `"amount":"1.00"`)
 	}
-	if _, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fiveDaysOld()); err != nil {
-		t.Fatalf("five days old under a week's retention: %v", err)
+	// Per event, a first claim outside the horizon is too old; in a batch
+	// it sends the batch to run alone, where it is found too old.
+	alone := func() error {
+		_, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fiveDaysOld())
+		return err
+	}
+	batched := func() error {
+		return m.ProcessBatch(ctx, []*message.Message{fiveDaysOld()}, recordBatch(group, new(atomic.Int64)))[0]
+	}
+	for name, deliver := range map[string]func() error{"per event": alone, "batched": batched} {
+		if err := deliver(); err != nil {
+			t.Fatalf("%s: five days old under a week's retention: %v", name, err)
+		}
 	}
 	rcfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 3 * 24 * time.Hour}
 	if err := retention.SetRetention(ctx, rcfg); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := m.Middleware(recordEffect(group, new(atomic.Int64)))(fiveDaysOld()); !errors.Is(err, idempotency.ErrTooOld) {
-		t.Fatalf("five days old after the retention became three days: %v; want ErrTooOld", err)
+	if err := alone(); !errors.Is(err, idempotency.ErrTooOld) {
+		t.Fatalf("per event: five days old after the retention became three days: %v; want ErrTooOld", err)
+	}
+	if err := batched(); !errors.Is(err, idempotency.ErrRunAlone) {
+		t.Fatalf("batched: five days old after the retention became three days: %v; want ErrRunAlone", err)
 	}
 }
 
