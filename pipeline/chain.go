@@ -180,6 +180,12 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					if perr == nil {
 						break
 					}
+					if attempt == 1 {
+						// Held like any message the environment fails: the
+						// status and once_held_messages show it.
+						p.holding(msg, t.name, g.name, time.Now())
+						defer p.released(msg)
+					}
 					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
 						"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "attempt", attempt, "err", perr)
 					if werr := p.pause(msg, revoked, wait); werr != nil {

@@ -353,3 +353,67 @@ func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
 		t.Fatalf("CheckAccess after the stop: %v; want the missing topic %s named too", err, missing)
 	}
 }
+
+// A message whose dead letter cannot be written is held, and shows as held
+// in the status (and once_held_messages) until the letter is written.
+func TestAMessageWhoseDeadLetterCannotBeWrittenShowsAsHeld(t *testing.T) {
+	e := newEnv(t, 1)
+	fn := "fail_letters_" + uuid.NewString()[:8]
+	ctx := context.Background()
+	// The staged fault: writing this test's letters fails, and counts.
+	if _, err := e.pool.Exec(ctx, `CREATE SEQUENCE `+fn+`_tries;
+CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.topic = '`+e.dlq+`' THEN
+    PERFORM nextval('`+fn+`_tries');
+    RAISE EXCEPTION 'staged: the dead letter cannot be written';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUNCTION `+fn+`()`); err != nil {
+		t.Fatal(err)
+	}
+	dropTrigger := func() {
+		_, _ = e.pool.Exec(ctx, `DROP TRIGGER IF EXISTS `+fn+` ON once_dead_letter`)
+	}
+	t.Cleanup(func() {
+		dropTrigger()
+		_, _ = e.pool.Exec(ctx, `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
+	})
+	r := &recorder{group: uniqueGroup("unparkable")}
+	var deadLetters atomic.Int64
+	cfg := e.config(group(r))
+	cfg.HoldBackoff = 20 * time.Millisecond
+	cfg.HoldMaxBackoff = 100 * time.Millisecond
+	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+	held := func() int {
+		n := 0
+		for _, s := range p.Status() {
+			if s.Group == r.group {
+				n += s.Held
+			}
+		}
+		return n
+	}
+	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id": "broken`))
+	tries := func() int64 {
+		var n int64
+		_ = e.pool.QueryRow(ctx, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM `+fn+`_tries`).Scan(&n)
+		return n
+	}
+	testenv.Eventually(t, 30*time.Second, "the dead letter's write failing twice", func() bool { return tries() >= 2 })
+	if got := held(); got != 1 {
+		t.Fatalf("while its dead letter cannot be written: %d messages held; want 1", got)
+	}
+	if deadLetters.Load() != 0 {
+		t.Fatal("dead-lettered while its letter could not be written")
+	}
+	dropTrigger()
+	testenv.Eventually(t, 30*time.Second, "the dead letter written", func() bool { return deadLetters.Load() == 1 })
+	testenv.Eventually(t, 10*time.Second, "nothing held once the letter is written", func() bool { return held() == 0 })
+}
