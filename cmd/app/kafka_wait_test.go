@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"strings"
@@ -14,9 +15,12 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/retention"
 )
 
 // Only a broker that cannot be reached or is still starting is waited for;
@@ -72,6 +76,12 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		{"a broker still unreachable", fmt.Errorf("KAFKA_BROKERS: %w", sarama.Wrap(sarama.ErrOutOfBrokers, refused)), true},
 		{"a permission found before the stop", fmt.Errorf("KAFKA_BROKERS: %w", errors.Join(
 			errors.New("User:svc is not authorized on topic b: it needs READ and DESCRIBE"), context.Canceled)), false},
+		{"a connection timeout of its own", fmt.Errorf("DATABASE_URL: %w", context.DeadlineExceeded), false},
+		// Retry answers a stop with the stop alone; serve joins the last
+		// attempt's error to it (review finding: a refused permission on
+		// the retention policy exited 0).
+		{"the retention wait's last error with the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
+			&pgconn.PgError{Code: "42501", Message: "permission denied for table once_retention_policy"}, context.Canceled)), false},
 		{"a refused principal at the stop", fmt.Errorf("KAFKA_BROKERS: %w", sarama.ErrClusterAuthorizationFailed), false},
 		{"a refused password at the stop", fmt.Errorf("DATABASE_URL: %w", errors.Join(
 			&pgconn.PgError{Code: "28P01", Message: "password authentication failed for user \"once\""}, context.Canceled)), false},
@@ -79,6 +89,50 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		if got := onlyTheStop(tc.err); got != tc.want {
 			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
 		}
+	}
+}
+
+// Stopped during the retention wait, serve keeps what the database said: a
+// permission refused on the policy fails the run, where the stop alone
+// would pass for a clean one (review finding: Retry answers a stop with the
+// stop alone, so serve exited 0).
+func TestAStopDuringTheRetentionWaitKeepsWhatTheDatabaseSaid(t *testing.T) {
+	ctx := context.Background()
+	admin := testenv.Postgres(t)
+	role := "once_test_nopolicy_" + uuid.NewString()[:8]
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" NOLOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
+	cfg := admin.Config().Copy()
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, "SET ROLE "+role) // may not read once_retention_policy
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var logs lockedBuffer
+	d := deps{log: slog.New(slog.NewTextHandler(&logs, nil)), stdout: &logs, stderr: &logs}
+	waitCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	done := make(chan error, 1)
+	go func() {
+		done <- waitForRetentionPolicy(waitCtx, d, retention.Config{DB: pool, Retention: 7 * 24 * time.Hour})
+	}()
+	testenv.Eventually(t, 30*time.Second, "the wait for the retention policy", func() bool {
+		return strings.Contains(logs.String(), "cannot check the retention policy yet")
+	})
+	stop() // what SIGTERM does to serve's context
+	err = <-done
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "42501" {
+		t.Fatalf("stopped during the wait: %v; want the refused permission (42501) kept", err)
+	}
+	if onlyTheStop(err) {
+		t.Fatalf("%v: taken for a clean stop", err)
 	}
 }
 

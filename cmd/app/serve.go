@@ -209,8 +209,9 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
 func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
+	starting := true // until the pipeline runs: its errors are its own
 	defer func() {
-		if err != nil && ctx.Err() != nil && onlyTheStop(err) {
+		if starting && err != nil && ctx.Err() != nil && onlyTheStop(err) {
 			// Asked to stop (SIGTERM) while starting: waiting for Kafka or
 			// for the database is not a failure to start. Any other error
 			// in err still fails the run.
@@ -325,20 +326,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 	for _, db := range pools.all {
 		rcfg := s.Retention.config(d)
 		rcfg.DB = db
-		// A disagreement is a configuration error and stops start-up; a
-		// database that cannot record the policy yet (read-only during a
-		// failover, on a first start) is waited for, as a claim would be.
-		exp := backoff.NewExponentialBackOff()
-		exp.MaxInterval = 10 * time.Second
-		_, err := backoff.Retry(ctx, func() (struct{}, error) {
-			err := retention.Agree(ctx, rcfg)
-			if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) {
-				return struct{}{}, backoff.Permanent(err)
-			}
-			d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
-			return struct{}{}, err
-		}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
-		if err != nil {
+		if err := waitForRetentionPolicy(ctx, d, rcfg); err != nil {
 			return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; start every process with the same, or change it with app maintain --set-retention", err)
 		}
 	}
@@ -391,6 +379,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 		<-p.Running()
 		d.log.Info("serving", "topics", []string{s.Kafka.confirmed(), s.Kafka.cancelled(), s.Kafka.payments()}, "groups", s.Groups, "commit_mode", s.CommitMode)
 	}()
+	starting = false
 	if err := p.Run(ctx); err != nil {
 		return err
 	}
@@ -427,6 +416,32 @@ func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step f
 	return err
 }
 
+// waitForRetentionPolicy checks that the database records the retention
+// this process was given. A disagreement is a configuration error and stops
+// start-up; a database that cannot record the policy yet (read-only during
+// a failover, on a first start) is waited for, as a claim would be.
+func waitForRetentionPolicy(ctx context.Context, d deps, rcfg retention.Config) error {
+	exp := backoff.NewExponentialBackOff()
+	exp.MaxInterval = 10 * time.Second
+	var last error
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		err := retention.Agree(ctx, rcfg)
+		if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) {
+			return struct{}{}, backoff.Permanent(err)
+		}
+		last = err
+		d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
+		return struct{}{}, err
+	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
+	if err != nil && ctx.Err() != nil && last != nil {
+		// Retry answers a stop with the stop alone; what kept the database
+		// from answering (a refused permission?) decides whether the stop
+		// was clean.
+		err = errors.Join(last, err)
+	}
+	return err
+}
+
 // kafkaUnavailable reports whether err says only that the brokers could not
 // be reached or are not ready yet: every error it joins or wraps ends in a
 // network failure or in one of the broker states a restart or an election
@@ -441,6 +456,11 @@ func kafkaUnavailable(err error) bool {
 // not there yet. A refused permission found meanwhile is not.
 func onlyTheStop(err error) bool {
 	return everyCause(err, func(cause error) bool {
+		if errors.Is(cause, context.DeadlineExceeded) {
+			// A timeout of its own, not the stop (it is also a net.Error
+			// timeout, which brokerNotThereYet accepts).
+			return false
+		}
 		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause)
 	})
 }
