@@ -363,9 +363,11 @@ func New(cfg Config) (*Pipeline, error) {
 // started, and is left running when ctx ends: stop it yourself.
 func (p *Pipeline) Run(ctx context.Context) error {
 	p.runMu.Lock()
-	if p.closed {
+	if p.closed || p.ran {
 		p.runMu.Unlock()
-		return errors.New("pipeline: Run after Close")
+		// A second Run must not reach the deferred Close below: it would
+		// stop the first.
+		return errors.New("pipeline: Run after Close, or a second Run")
 	}
 	p.ran = true
 	p.runMu.Unlock()

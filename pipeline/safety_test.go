@@ -316,8 +316,9 @@ func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
 }
 
 // CheckAccess stopped midway returns what it found before the stop with the
-// stop itself: serve's start-up then fails on the missing topic instead of
-// passing for a clean stop (review finding: the stop replaced the errors).
+// stop itself, so that its caller still sees a refused permission (review
+// finding: the stop replaced the errors). A missing topic stands in for one
+// here: permissions need the secured broker.
 func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
 	e := newEnv(t, 1)
 	missing := e.topic + ".missing"
@@ -339,8 +340,8 @@ func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
 		if took := time.Since(closing); took > cfg.CloseTimeout/2 {
 			t.Errorf("Close of a pipeline that never ran took %s; it waited for handlers never started", took.Round(time.Millisecond))
 		}
-		if err := p.Run(context.Background()); err == nil {
-			t.Error("Run after Close: nil; want an error")
+		if err := p.Run(context.Background()); err == nil || !contains(err.Error(), "Run after Close") {
+			t.Errorf("Run after Close: %v; want the pipeline's refusal", err)
 		}
 	}()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -416,4 +417,21 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 	dropTrigger()
 	testenv.Eventually(t, 30*time.Second, "the dead letter written", func() bool { return deadLetters.Load() == 1 })
 	testenv.Eventually(t, 10*time.Second, "nothing held once the letter is written", func() bool { return held() == 0 })
+}
+
+// A second Run is refused and leaves the first running: its deferred Close
+// would have stopped the first (review finding).
+func TestASecondRunLeavesTheFirstRunning(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("second-run")}
+	p, err := pipeline.New(e.config(group(r)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+	if err := p.Run(context.Background()); err == nil || !contains(err.Error(), "a second Run") {
+		t.Fatalf("second Run: %v; want the pipeline's refusal", err)
+	}
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the first Run still processing", func() bool { return effects(t, e.pool, r.group) == 1 })
 }
