@@ -82,6 +82,10 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		// the retention policy exited 0).
 		{"the retention wait's last error with the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
 			&pgconn.PgError{Code: "42501", Message: "permission denied for table once_retention_policy"}, context.Canceled)), false},
+		{"a database failing over at the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
+			&pgconn.PgError{Code: "25006", Message: "cannot execute INSERT in a read-only transaction"}, context.Canceled)), true},
+		{"a database starting at the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
+			&pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}, context.Canceled)), true},
 		{"a refused principal at the stop", fmt.Errorf("KAFKA_BROKERS: %w", sarama.ErrClusterAuthorizationFailed), false},
 		{"a refused password at the stop", fmt.Errorf("DATABASE_URL: %w", errors.Join(
 			&pgconn.PgError{Code: "28P01", Message: "password authentication failed for user \"once\""}, context.Canceled)), false},

@@ -8,12 +8,14 @@ import (
 	"os"
 	"regexp"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/middleware/idempotency"
@@ -461,8 +463,25 @@ func onlyTheStop(err error) bool {
 			// timeout, which brokerNotThereYet accepts).
 			return false
 		}
-		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause)
+		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause) || databaseNotThereYet(cause)
 	})
+}
+
+// databaseNotThereYet is a database's answer while it fails over or
+// restarts: what serve's start-up waits through.
+func databaseNotThereYet(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return false
+	}
+	switch pg.Code {
+	case "25006", // read_only_sql_transaction: a standby, or a primary being demoted
+		"57P01", // admin_shutdown
+		"57P02", // crash_shutdown
+		"57P03": // cannot_connect_now: starting up or recovering
+		return true
+	}
+	return strings.HasPrefix(pg.Code, "08") // connection exception
 }
 
 // everyCause reports whether ok holds for every error at the end of err's
