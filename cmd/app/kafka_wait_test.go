@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -76,7 +77,9 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		{"a broker still unreachable", fmt.Errorf("KAFKA_BROKERS: %w", sarama.Wrap(sarama.ErrOutOfBrokers, refused)), true},
 		{"a permission found before the stop", fmt.Errorf("KAFKA_BROKERS: %w", errors.Join(
 			errors.New("User:svc is not authorized on topic b: it needs READ and DESCRIBE"), context.Canceled)), false},
-		{"a connection timeout of its own", fmt.Errorf("DATABASE_URL: %w", context.DeadlineExceeded), false},
+		// A database that times out is one not there yet: start-up waits
+		// for it, so a stop then is clean.
+		{"a connection timeout", fmt.Errorf("DATABASE_URL: %w", context.DeadlineExceeded), true},
 		// Retry answers a stop with the stop alone; serve joins the last
 		// attempt's error to it (review finding: a refused permission on
 		// the retention policy exited 0).
@@ -96,48 +99,121 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 	}
 }
 
-// Stopped during the retention wait, serve keeps what the database said: a
-// permission refused on the policy fails the run, where the stop alone
-// would pass for a clean one (review finding: Retry answers a stop with the
-// stop alone, so serve exited 0).
-func TestAStopDuringTheRetentionWaitKeepsWhatTheDatabaseSaid(t *testing.T) {
+// What the retention wait waits through: a database failing over,
+// restarting, unreachable or overloaded; not a refusal or a missing table.
+func TestDatabaseUnavailableIsOnlyADatabaseNotThereYet(t *testing.T) {
+	pg := func(code string) error {
+		return fmt.Errorf("retention: read the retention: %w", &pgconn.PgError{Code: code})
+	}
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"read-only (failover)", pg("25006"), true},
+		{"starting up", pg("57P03"), true},
+		{"too many connections", pg("53300"), true},
+		{"serialization failure", pg("40001"), true},
+		{"connection failure", pg("08006"), true},
+		{"connection refused", fmt.Errorf("failed to connect: %w", refused), true},
+		{"connect timeout", fmt.Errorf("failed to connect: %w", context.DeadlineExceeded), true},
+		{"permission denied", pg("42501"), false},
+		{"table missing (never migrated)", pg("42P01"), false},
+		{"password refused", pg("28P01"), false},
+		{"protocol violation (a pooler's refusal)", pg("08P01"), false},
+		{"connection closed mid-handshake", fmt.Errorf("failed to connect: %w", io.EOF), false},
+	} {
+		if got := databaseUnavailable(tc.err); got != tc.want {
+			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
+
+// The retention wait waits only for a database that cannot answer yet: a
+// refused permission on the policy (a group role that may not record it)
+// stops start-up at once with its reason (review finding: it was retried
+// forever, and a stop then exited 0). A stop during a real wait is clean,
+// and says what it waited for.
+func TestTheRetentionWaitWaitsOnlyForADatabaseNotThereYet(t *testing.T) {
 	ctx := context.Background()
 	admin := testenv.Postgres(t)
-	role := "once_test_nopolicy_" + uuid.NewString()[:8]
-	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" NOLOGIN"); err != nil {
-		t.Fatal(err)
+	wait := func(t *testing.T, pool *pgxpool.Pool, stopWhenWaiting bool) (error, string) {
+		var logs lockedBuffer
+		d := deps{log: slog.New(slog.NewTextHandler(&logs, nil)), stdout: &logs, stderr: &logs}
+		waitCtx, stop := context.WithCancel(ctx)
+		defer stop()
+		done := make(chan error, 1)
+		go func() {
+			done <- waitForRetentionPolicy(waitCtx, d, retention.Config{DB: pool, Retention: 7 * 24 * time.Hour})
+		}()
+		if stopWhenWaiting {
+			testenv.Eventually(t, 30*time.Second, "the wait for the retention policy", func() bool {
+				return strings.Contains(logs.String(), "cannot check the retention policy yet")
+			})
+			stop() // what SIGTERM does to serve's context
+		}
+		select {
+		case err := <-done:
+			return err, logs.String()
+		case <-time.After(30 * time.Second):
+			t.Fatalf("the retention wait did not return within 30s\n%s", logs.String())
+			return nil, ""
+		}
 	}
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
-	cfg := admin.Config().Copy()
-	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		_, err := c.Exec(ctx, "SET ROLE "+role) // may not read once_retention_policy
-		return err
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	var logs lockedBuffer
-	d := deps{log: slog.New(slog.NewTextHandler(&logs, nil)), stdout: &logs, stderr: &logs}
-	waitCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	done := make(chan error, 1)
-	go func() {
-		done <- waitForRetentionPolicy(waitCtx, d, retention.Config{DB: pool, Retention: 7 * 24 * time.Hour})
-	}()
-	testenv.Eventually(t, 30*time.Second, "the wait for the retention policy", func() bool {
-		return strings.Contains(logs.String(), "cannot check the retention policy yet")
+
+	t.Run("a refused permission stops start-up", func(t *testing.T) {
+		role := "once_test_nopolicy_" + uuid.NewString()[:8]
+		if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" NOLOGIN"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
+		cfg := admin.Config().Copy()
+		cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "SET ROLE "+role) // may not read once_retention_policy
+			return err
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		err, logs := wait(t, pool, false)
+		var pg *pgconn.PgError
+		if !errors.As(err, &pg) || pg.Code != "42501" || !strings.Contains(err.Error(), "once_retention_policy") {
+			t.Fatalf("%v; want the refused permission on once_retention_policy (42501)", err)
+		}
+		if strings.Contains(logs, "cannot check the retention policy yet") {
+			t.Fatalf("waited for a refused permission:\n%s", logs)
+		}
 	})
-	stop() // what SIGTERM does to serve's context
-	err = <-done
-	var pg *pgconn.PgError
-	if !errors.As(err, &pg) || pg.Code != "42501" {
-		t.Fatalf("stopped during the wait: %v; want the refused permission (42501) kept", err)
-	}
-	if onlyTheStop(err) {
-		t.Fatalf("%v: taken for a clean stop", err)
-	}
+
+	t.Run("a stop while the database is away is clean", func(t *testing.T) {
+		cfg := admin.Config().Copy()
+		host, port, err := net.SplitHostPort(testenv.FreeAddr(t)) // nothing listens there
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.Host = host
+		p, err := strconv.ParseUint(port, 10, 16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.Port = uint16(p)
+		cfg.ConnConfig.Fallbacks = nil
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		err, _ = wait(t, pool, true)
+		if err == nil || !onlyTheStop(err) {
+			t.Fatalf("stopped while the database was away: %v; want a clean stop", err)
+		}
+		if !strings.Contains(err.Error(), "connection refused") {
+			t.Fatalf("%v; want what it waited for (connection refused) kept", err)
+		}
+	})
 }
 
 // forwardTo accepts on addr and forwards every connection to target: a

@@ -329,6 +329,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 		rcfg := s.Retention.config(d)
 		rcfg.DB = db
 		if err := waitForRetentionPolicy(ctx, d, rcfg); err != nil {
+			p.Close()
 			return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; start every process with the same, or change it with app maintain --set-retention", err)
 		}
 	}
@@ -355,6 +356,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 		}
 		box, err := outbox.New(outbox.Config{})
 		if err != nil {
+			p.Close()
 			return err
 		}
 		go every(ctx, 10*time.Minute, func() {
@@ -419,19 +421,24 @@ func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step f
 }
 
 // waitForRetentionPolicy checks that the database records the retention
-// this process was given. A disagreement is a configuration error and stops
-// start-up; a database that cannot record the policy yet (read-only during
-// a failover, on a first start) is waited for, as a claim would be.
+// this process was given. A database that cannot answer yet (read-only
+// during a failover, restarting, unreachable, overloaded) is waited for, as
+// a claim would be; anything else stops start-up with its reason: a
+// disagreement, a refused permission (a group role that may not record the
+// policy), a database never migrated.
 func waitForRetentionPolicy(ctx context.Context, d deps, rcfg retention.Config) error {
 	exp := backoff.NewExponentialBackOff()
 	exp.MaxInterval = 10 * time.Second
 	var last error
 	_, err := backoff.Retry(ctx, func() (struct{}, error) {
 		err := retention.Agree(ctx, rcfg)
-		if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) {
+		if err == nil || !databaseUnavailable(err) {
 			return struct{}{}, backoff.Permanent(err)
 		}
-		last = err
+		if ctx.Err() == nil {
+			// An attempt the stop cut short says nothing of the database.
+			last = err
+		}
 		d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
 		return struct{}{}, err
 	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
@@ -453,35 +460,46 @@ func kafkaUnavailable(err error) bool {
 	return everyCause(err, brokerNotThereYet)
 }
 
+// databaseUnavailable reports whether err says only that the database
+// cannot answer yet: every cause is a network failure or an answer that
+// passes by itself (databaseNotThereYet).
+func databaseUnavailable(err error) bool {
+	return everyCause(err, databaseNotThereYet)
+}
+
 // onlyTheStop reports whether err says only that start-up was interrupted
 // by the stop while it waited: every cause is the cancellation, or a broker
-// not there yet. A refused permission found meanwhile is not.
+// or database not there yet (a connection timeout included: what start-up
+// waits through). A refused permission found meanwhile is not.
 func onlyTheStop(err error) bool {
 	return everyCause(err, func(cause error) bool {
-		if errors.Is(cause, context.DeadlineExceeded) {
-			// A timeout of its own, not the stop (it is also a net.Error
-			// timeout, which brokerNotThereYet accepts).
-			return false
-		}
 		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause) || databaseNotThereYet(cause)
 	})
 }
 
-// databaseNotThereYet is a database's answer while it fails over or
-// restarts: what serve's start-up waits through.
+// databaseNotThereYet is a network failure, or a database's answer while it
+// fails over, restarts or is overloaded: each passes by itself.
 func databaseNotThereYet(err error) bool {
 	var pg *pgconn.PgError
 	if !errors.As(err, &pg) {
-		return false
+		return unreachable(err)
 	}
 	switch pg.Code {
 	case "25006", // read_only_sql_transaction: a standby, or a primary being demoted
 		"57P01", // admin_shutdown
 		"57P02", // crash_shutdown
-		"57P03": // cannot_connect_now: starting up or recovering
+		"57P03", // cannot_connect_now: starting up or recovering
+		"57014", // query_canceled: a statement timeout
+		"55P03", // lock_not_available
+		"08000", // connection_exception
+		"08003", // connection_does_not_exist
+		"08006", // connection_failure
+		"08001": // sqlclient_unable_to_establish_sqlconnection
 		return true
 	}
-	return strings.HasPrefix(pg.Code, "08") // connection exception
+	// Class 53: insufficient resources (too many connections, out of
+	// memory or disk); class 40: a transaction rolled back to be retried.
+	return strings.HasPrefix(pg.Code, "53") || strings.HasPrefix(pg.Code, "40")
 }
 
 // everyCause reports whether ok holds for every error at the end of err's
@@ -509,9 +527,12 @@ func brokerNotThereYet(err error) bool {
 	if errors.As(err, &kerr) {
 		return slices.Contains(kafkaStarting, kerr)
 	}
-	// Not io.EOF, nor an ErrOutOfBrokers without a cause: that is what a TLS
-	// client on a plaintext listener sees, and what sarama leaves of a SASL
-	// mechanism the broker refuses.
+	return unreachable(err)
+}
+
+// unreachable is a network failure: refused, reset, or timed out. Not
+// io.EOF: that is also what a TLS client on a plaintext listener sees.
+func unreachable(err error) bool {
 	var netErr net.Error
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || (errors.As(err, &netErr) && netErr.Timeout())
 }
