@@ -10,6 +10,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -80,15 +81,10 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		// A database that times out is one not there yet: start-up waits
 		// for it, so a stop then is clean.
 		{"a connection timeout", fmt.Errorf("DATABASE_URL: %w", context.DeadlineExceeded), true},
-		// Retry answers a stop with the stop alone; serve joins the last
-		// attempt's error to it (review finding: a refused permission on
-		// the retention policy exited 0).
-		{"the retention wait's last error with the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
+		// A refusal that came with the stop (review finding: a refused
+		// permission on the retention policy exited 0).
+		{"a refused permission with the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
 			&pgconn.PgError{Code: "42501", Message: "permission denied for table once_retention_policy"}, context.Canceled)), false},
-		{"a database failing over at the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
-			&pgconn.PgError{Code: "25006", Message: "cannot execute INSERT in a read-only transaction"}, context.Canceled)), true},
-		{"a database starting at the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
-			&pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}, context.Canceled)), true},
 		{"a refused principal at the stop", fmt.Errorf("KAFKA_BROKERS: %w", sarama.ErrClusterAuthorizationFailed), false},
 		{"a refused password at the stop", fmt.Errorf("DATABASE_URL: %w", errors.Join(
 			&pgconn.PgError{Code: "28P01", Message: "password authentication failed for user \"once\""}, context.Canceled)), false},
@@ -99,9 +95,12 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 	}
 }
 
-// What the retention wait waits through: a database failing over,
-// restarting, unreachable or overloaded; not a refusal or a missing table.
-func TestDatabaseUnavailableIsOnlyADatabaseNotThereYet(t *testing.T) {
+// What the retention wait stops at: refusals no wait clears. Everything
+// else a database answers at start-up is waited for, including how pgx
+// reports a server killed mid-query (unexpected EOF), a standby refused by
+// target_session_attrs, a name that does not resolve yet, and a pooler's
+// 08P01 (review finding: those stopped start-up during a failover).
+func TestDatabaseRefusedIsOnlyARefusalNoWaitClears(t *testing.T) {
 	pg := func(code string) error {
 		return fmt.Errorf("retention: read the retention: %w", &pgconn.PgError{Code: code})
 	}
@@ -111,20 +110,23 @@ func TestDatabaseUnavailableIsOnlyADatabaseNotThereYet(t *testing.T) {
 		err  error
 		want bool
 	}{
-		{"read-only (failover)", pg("25006"), true},
-		{"starting up", pg("57P03"), true},
-		{"too many connections", pg("53300"), true},
-		{"serialization failure", pg("40001"), true},
-		{"connection failure", pg("08006"), true},
-		{"connection refused", fmt.Errorf("failed to connect: %w", refused), true},
-		{"connect timeout", fmt.Errorf("failed to connect: %w", context.DeadlineExceeded), true},
-		{"permission denied", pg("42501"), false},
-		{"table missing (never migrated)", pg("42P01"), false},
-		{"password refused", pg("28P01"), false},
-		{"protocol violation (a pooler's refusal)", pg("08P01"), false},
-		{"connection closed mid-handshake", fmt.Errorf("failed to connect: %w", io.EOF), false},
+		{"permission denied", pg("42501"), true},
+		{"table missing (never migrated)", pg("42P01"), true},
+		{"password refused", pg("28P01"), true},
+		{"no pg_hba entry", pg("28000"), true},
+		{"no such database", pg("3D000"), true},
+		{"a refusal among the hosts tried", fmt.Errorf("failed to connect: %w", errors.Join(refused, pg("28P01"))), true},
+		{"read-only (failover)", pg("25006"), false},
+		{"starting up", pg("57P03"), false},
+		{"too many connections", pg("53300"), false},
+		{"a pooler that cannot reach the server", pg("08P01"), false},
+		{"killed mid-query", fmt.Errorf("retention: read the retention: %w", io.ErrUnexpectedEOF), false},
+		{"a standby refused by target_session_attrs", fmt.Errorf("failed to connect: %w", pgconn.ErrStandbyConnection), false},
+		{"a name that does not resolve yet", fmt.Errorf("failed to connect: %w", &net.DNSError{Err: "no such host", Name: "db-0.db", IsNotFound: true}), false},
+		{"connection refused", fmt.Errorf("failed to connect: %w", refused), false},
+		{"connect timeout", fmt.Errorf("failed to connect: %w", context.DeadlineExceeded), false},
 	} {
-		if got := databaseUnavailable(tc.err); got != tc.want {
+		if got := databaseRefused(tc.err); got != tc.want {
 			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
 		}
 	}
@@ -185,6 +187,44 @@ func TestTheRetentionWaitWaitsOnlyForADatabaseNotThereYet(t *testing.T) {
 		}
 		if strings.Contains(logs, "cannot check the retention policy yet") {
 			t.Fatalf("waited for a refused permission:\n%s", logs)
+		}
+	})
+
+	t.Run("a database that hangs up is waited for", func(t *testing.T) {
+		// What a client sees of a server killed with kill -9, or of a proxy
+		// whose server is gone: the connection accepted, then closed.
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		var hangups atomic.Int64
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				hangups.Add(1)
+				c.Close()
+			}
+		}()
+		cfg := admin.Config().Copy()
+		cfg.ConnConfig.Host = "127.0.0.1"
+		cfg.ConnConfig.Port = uint16(ln.Addr().(*net.TCPAddr).Port)
+		cfg.ConnConfig.Fallbacks = nil
+		cfg.ConnConfig.TLSConfig = nil
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		err, logs := wait(t, pool, true)
+		if hangups.Load() == 0 {
+			t.Fatal("the fake server never hung up on a connection")
+		}
+		if err == nil || !onlyTheStop(err) {
+			t.Fatalf("stopped while the database hung up: %v; want a clean stop\n%s", err, logs)
 		}
 	})
 

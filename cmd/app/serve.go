@@ -422,33 +422,44 @@ func (s *serveCmd) waitForKafka(ctx context.Context, d deps, what string, step f
 
 // waitForRetentionPolicy checks that the database records the retention
 // this process was given. A database that cannot answer yet (read-only
-// during a failover, restarting, unreachable, overloaded) is waited for, as
-// a claim would be; anything else stops start-up with its reason: a
-// disagreement, a refused permission (a group role that may not record the
-// policy), a database never migrated.
+// during a failover, restarting, unreachable, hanging up) is waited for, as
+// a claim would be; a refusal no wait clears stops start-up at once with its
+// reason: a disagreement, a refused permission (a group role that may not
+// record the policy), refused credentials, a database never migrated.
 func waitForRetentionPolicy(ctx context.Context, d deps, rcfg retention.Config) error {
 	exp := backoff.NewExponentialBackOff()
 	exp.MaxInterval = 10 * time.Second
 	var last error
 	_, err := backoff.Retry(ctx, func() (struct{}, error) {
 		err := retention.Agree(ctx, rcfg)
-		if err == nil || !databaseUnavailable(err) {
+		if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) || databaseRefused(err) || ctx.Err() != nil {
 			return struct{}{}, backoff.Permanent(err)
 		}
-		if ctx.Err() == nil {
-			// An attempt the stop cut short says nothing of the database.
-			last = err
-		}
+		last = err
 		d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
 		return struct{}{}, err
 	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
-	if err != nil && ctx.Err() != nil && last != nil {
-		// Retry answers a stop with the stop alone; what kept the database
-		// from answering (a refused permission?) decides whether the stop
-		// was clean.
-		err = errors.Join(last, err)
+	if err != nil && ctx.Err() != nil && last != nil && !databaseRefused(err) {
+		// Stopped while waiting: the stop is the error (a clean one), and
+		// what was waited for is said, not wrapped.
+		err = fmt.Errorf("%w (while waiting for the database: %v)", err, last)
 	}
 	return err
+}
+
+// databaseRefused reports whether the database refused in a way no wait
+// clears: credentials, a permission, a database, schema or table that is not
+// there (a setting to fix, or migrations not applied). Anything else a
+// database answers at start-up (read-only, starting, restarting, hanging
+// up, a pooler that cannot reach it) is waited for.
+func databaseRefused(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return false
+	}
+	return strings.HasPrefix(pg.Code, "28") || // invalid authorization: credentials, pg_hba
+		strings.HasPrefix(pg.Code, "42") || // access rule violation: a permission, an undefined table
+		pg.Code == "3D000" || pg.Code == "3F000" // no such database, no such schema
 }
 
 // kafkaUnavailable reports whether err says only that the brokers could not
@@ -460,46 +471,14 @@ func kafkaUnavailable(err error) bool {
 	return everyCause(err, brokerNotThereYet)
 }
 
-// databaseUnavailable reports whether err says only that the database
-// cannot answer yet: every cause is a network failure or an answer that
-// passes by itself (databaseNotThereYet).
-func databaseUnavailable(err error) bool {
-	return everyCause(err, databaseNotThereYet)
-}
-
 // onlyTheStop reports whether err says only that start-up was interrupted
 // by the stop while it waited: every cause is the cancellation, or a broker
-// or database not there yet (a connection timeout included: what start-up
-// waits through). A refused permission found meanwhile is not.
+// not there yet (a connection timeout included: what start-up waits
+// through). A refused permission found meanwhile is not.
 func onlyTheStop(err error) bool {
 	return everyCause(err, func(cause error) bool {
-		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause) || databaseNotThereYet(cause)
+		return errors.Is(cause, context.Canceled) || brokerNotThereYet(cause)
 	})
-}
-
-// databaseNotThereYet is a network failure, or a database's answer while it
-// fails over, restarts or is overloaded: each passes by itself.
-func databaseNotThereYet(err error) bool {
-	var pg *pgconn.PgError
-	if !errors.As(err, &pg) {
-		return unreachable(err)
-	}
-	switch pg.Code {
-	case "25006", // read_only_sql_transaction: a standby, or a primary being demoted
-		"57P01", // admin_shutdown
-		"57P02", // crash_shutdown
-		"57P03", // cannot_connect_now: starting up or recovering
-		"57014", // query_canceled: a statement timeout
-		"55P03", // lock_not_available
-		"08000", // connection_exception
-		"08003", // connection_does_not_exist
-		"08006", // connection_failure
-		"08001": // sqlclient_unable_to_establish_sqlconnection
-		return true
-	}
-	// Class 53: insufficient resources (too many connections, out of
-	// memory or disk); class 40: a transaction rolled back to be retried.
-	return strings.HasPrefix(pg.Code, "53") || strings.HasPrefix(pg.Code, "40")
 }
 
 // everyCause reports whether ok holds for every error at the end of err's
@@ -527,12 +506,9 @@ func brokerNotThereYet(err error) bool {
 	if errors.As(err, &kerr) {
 		return slices.Contains(kafkaStarting, kerr)
 	}
-	return unreachable(err)
-}
-
-// unreachable is a network failure: refused, reset, or timed out. Not
-// io.EOF: that is also what a TLS client on a plaintext listener sees.
-func unreachable(err error) bool {
+	// Not io.EOF, nor an ErrOutOfBrokers without a cause: that is what a TLS
+	// client on a plaintext listener sees, and what sarama leaves of a SASL
+	// mechanism the broker refuses.
 	var netErr net.Error
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || (errors.As(err, &netErr) && netErr.Timeout())
 }
