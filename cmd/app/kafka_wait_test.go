@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -61,6 +62,19 @@ func TestKafkaUnavailableIsOnlyTheBrokersNotBeingThereYet(t *testing.T) {
 // Stopped while starting, serve exits cleanly only when the stop is all its
 // error says: a permission refused at that moment still fails the run
 // (review finding: any error that came with the stop was swallowed).
+// signalCause is the cause signal.NotifyContext gives its context, as
+// main's does on SIGTERM (SIGUSR1 here, sent to this process).
+func signalCause(t *testing.T) error {
+	t.Helper()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGUSR1)
+	defer stop()
+	if err := syscall.Kill(os.Getpid(), syscall.SIGUSR1); err != nil {
+		t.Fatal(err)
+	}
+	<-ctx.Done()
+	return context.Cause(ctx)
+}
+
 func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 	refused := &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 	dialCanceled := &net.OpError{Op: "dial", Net: "tcp", Err: context.Canceled}
@@ -85,6 +99,9 @@ func TestOnlyTheStopIsACleanStopAtStartUp(t *testing.T) {
 		// permission on the retention policy exited 0).
 		{"a refused permission with the stop", fmt.Errorf("--dedup-retention: %w", errors.Join(
 			&pgconn.PgError{Code: "42501", Message: "permission denied for table once_retention_policy"}, context.Canceled)), false},
+		{"the retention wait's stop, saying what it waited for", fmt.Errorf("DATABASE_URL: checking the recorded retention: %w",
+			fmt.Errorf("%w (while waiting for the database: %v)", context.Canceled, io.ErrUnexpectedEOF)), true},
+		{"the stop as SIGTERM makes it", fmt.Errorf("KAFKA_BROKERS: %w", signalCause(t)), true},
 		{"a refused principal at the stop", fmt.Errorf("KAFKA_BROKERS: %w", sarama.ErrClusterAuthorizationFailed), false},
 		{"a refused password at the stop", fmt.Errorf("DATABASE_URL: %w", errors.Join(
 			&pgconn.PgError{Code: "28P01", Message: "password authentication failed for user \"once\""}, context.Canceled)), false},
@@ -115,7 +132,12 @@ func TestDatabaseRefusedIsOnlyARefusalNoWaitClears(t *testing.T) {
 		{"password refused", pg("28P01"), true},
 		{"no pg_hba entry", pg("28000"), true},
 		{"no such database", pg("3D000"), true},
-		{"a refusal among the hosts tried", fmt.Errorf("failed to connect: %w", errors.Join(refused, pg("28P01"))), true},
+		{"no such schema", pg("3F000"), true},
+		{"every host refusing", fmt.Errorf("failed to connect: %w", errors.Join(pg("28000"), pg("28P01"))), true},
+		// With several hosts, one refusing while another is down is a
+		// failover (review finding: the first PgError decided).
+		{"one host refusing, the other down", fmt.Errorf("failed to connect: %w", errors.Join(pg("28000"), refused)), false},
+		{"one host starting, the other refusing", fmt.Errorf("failed to connect: %w", errors.Join(pg("57P03"), pg("28000"))), false},
 		{"read-only (failover)", pg("25006"), false},
 		{"starting up", pg("57P03"), false},
 		{"too many connections", pg("53300"), false},
@@ -205,6 +227,11 @@ func TestTheRetentionWaitWaitsOnlyForADatabaseNotThereYet(t *testing.T) {
 				if err != nil {
 					return
 				}
+				// Read what the client sent first: closing with unread
+				// data would reset the connection instead (ECONNRESET),
+				// which was waited for already.
+				_ = c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+				_, _ = io.Copy(io.Discard, c)
 				hangups.Add(1)
 				c.Close()
 			}
@@ -225,6 +252,33 @@ func TestTheRetentionWaitWaitsOnlyForADatabaseNotThereYet(t *testing.T) {
 		}
 		if err == nil || !onlyTheStop(err) {
 			t.Fatalf("stopped while the database hung up: %v; want a clean stop\n%s", err, logs)
+		}
+		if !strings.Contains(logs, "EOF") {
+			t.Fatalf("the wait did not see the hang-up (EOF):\n%s", logs)
+		}
+	})
+
+	t.Run("a database answering at the moment of the stop", func(t *testing.T) {
+		// docker compose down: PostgreSQL's fast shutdown answers the
+		// attempt in flight (57P01) as serve's own stop arrives (review
+		// finding: that attempt's error was returned and exited 1).
+		stopCtx, stop := context.WithCancel(ctx)
+		defer stop()
+		attempts := 0
+		defer func(agree func(context.Context, retention.Config) error) { agreeRetention = agree }(agreeRetention)
+		agreeRetention = func(context.Context, retention.Config) error {
+			attempts++
+			stop()
+			return fmt.Errorf("retention: read the retention: %w", &pgconn.PgError{Code: "57P01", Message: "terminating connection due to administrator command"})
+		}
+		var logs lockedBuffer
+		d := deps{log: slog.New(slog.NewTextHandler(&logs, nil)), stdout: &logs, stderr: &logs}
+		err := waitForRetentionPolicy(stopCtx, d, retention.Config{DB: admin, Retention: 7 * 24 * time.Hour})
+		if attempts != 1 {
+			t.Fatalf("%d attempts; want the one the stop cut short", attempts)
+		}
+		if err == nil || !onlyTheStop(err) || !strings.Contains(err.Error(), "57P01") {
+			t.Fatalf("%v; want a clean stop that says what the database answered", err)
 		}
 	})
 

@@ -330,7 +330,10 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 		rcfg.DB = db
 		if err := waitForRetentionPolicy(ctx, d, rcfg); err != nil {
 			p.Close()
-			return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; start every process with the same, or change it with app maintain --set-retention", err)
+			if errors.Is(err, retention.ErrRetentionDisagrees) {
+				return fmt.Errorf("--dedup-retention (ONCE_DEDUP_RETENTION): %w; start every process with the same, or change it with app maintain --set-retention", err)
+			}
+			return fmt.Errorf("DATABASE_URL: checking the recorded retention: %w", err)
 		}
 	}
 	// One pass per database before consuming, so today's partitions exist;
@@ -431,35 +434,49 @@ func waitForRetentionPolicy(ctx context.Context, d deps, rcfg retention.Config) 
 	exp.MaxInterval = 10 * time.Second
 	var last error
 	_, err := backoff.Retry(ctx, func() (struct{}, error) {
-		err := retention.Agree(ctx, rcfg)
-		if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) || databaseRefused(err) || ctx.Err() != nil {
+		err := agreeRetention(ctx, rcfg)
+		if err == nil || errors.Is(err, retention.ErrRetentionDisagrees) || databaseRefused(err) {
 			return struct{}{}, backoff.Permanent(err)
 		}
-		last = err
+		if last == nil || ctx.Err() == nil {
+			last = err
+		}
+		if ctx.Err() != nil {
+			// Stopped during the attempt (a database shutting down with
+			// us answers the same moment): the stop is the error.
+			return struct{}{}, backoff.Permanent(context.Cause(ctx))
+		}
 		d.log.Warn("cannot check the retention policy yet; waiting for the database", "err", err)
 		return struct{}{}, err
 	}, backoff.WithBackOff(exp), backoff.WithMaxElapsedTime(0))
-	if err != nil && ctx.Err() != nil && last != nil && !databaseRefused(err) {
-		// Stopped while waiting: the stop is the error (a clean one), and
-		// what was waited for is said, not wrapped.
+	if err != nil && ctx.Err() != nil && last != nil && onlyTheStop(err) {
+		// What was waited for is said, not wrapped: the stop is clean.
 		err = fmt.Errorf("%w (while waiting for the database: %v)", err, last)
 	}
 	return err
 }
 
+// agreeRetention is retention.Agree; a test stages a database that answers
+// at the moment of the stop through it.
+var agreeRetention = retention.Agree
+
 // databaseRefused reports whether the database refused in a way no wait
 // clears: credentials, a permission, a database, schema or table that is not
-// there (a setting to fix, or migrations not applied). Anything else a
-// database answers at start-up (read-only, starting, restarting, hanging
-// up, a pooler that cannot reach it) is waited for.
+// there (a setting to fix, or migrations not applied). Every cause must be
+// one: with several hosts, one refusing while another is down is a failover
+// to wait for. Anything else a database answers at start-up (read-only,
+// starting, restarting, hanging up, a pooler that cannot reach it) is
+// waited for.
 func databaseRefused(err error) bool {
-	var pg *pgconn.PgError
-	if !errors.As(err, &pg) {
-		return false
-	}
-	return strings.HasPrefix(pg.Code, "28") || // invalid authorization: credentials, pg_hba
-		strings.HasPrefix(pg.Code, "42") || // access rule violation: a permission, an undefined table
-		pg.Code == "3D000" || pg.Code == "3F000" // no such database, no such schema
+	return everyCause(err, func(cause error) bool {
+		var pg *pgconn.PgError
+		if !errors.As(cause, &pg) {
+			return false
+		}
+		return strings.HasPrefix(pg.Code, "28") || // invalid authorization: credentials, pg_hba
+			strings.HasPrefix(pg.Code, "42") || // access rule violation: a permission, an undefined table
+			pg.Code == "3D000" || pg.Code == "3F000" // no such database, no such schema
+	})
 }
 
 // kafkaUnavailable reports whether err says only that the brokers could not
