@@ -18,7 +18,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -192,16 +191,7 @@ func TestTheRetentionWaitWaitsOnlyForADatabaseNotThereYet(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
-		cfg := admin.Config().Copy()
-		cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-			_, err := c.Exec(ctx, "SET ROLE "+role) // may not read once_retention_policy
-			return err
-		}
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
+		pool := testenv.PoolAs(t, admin, role) // may not read once_retention_policy
 		err, logs := wait(t, pool, false)
 		var pg *pgconn.PgError
 		if !errors.As(err, &pg) || pg.Code != "42501" || !strings.Contains(err.Error(), "once_retention_policy") {

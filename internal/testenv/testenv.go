@@ -212,6 +212,23 @@ func OtherPostgres(t testing.TB, name string) *pgxpool.Pool {
 	return pool
 }
 
+// PoolAs connects to admin's database as role: every session SET ROLE to
+// it, as a login role granted role would be. Closed when the test ends.
+func PoolAs(t testing.TB, admin *pgxpool.Pool, role string) *pgxpool.Pool {
+	t.Helper()
+	cfg := admin.Config().Copy()
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, "SET ROLE "+pgx.Identifier{role}.Sanitize())
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 // FreeAddr is a loopback address no listener holds at the moment, for a
 // server a test starts (or, for a while, does not).
 func FreeAddr(t testing.TB) string {

@@ -10,7 +10,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
@@ -21,23 +20,6 @@ import (
 	"github.com/once-dev/once/service/migrations"
 	"github.com/once-dev/once/service/order"
 )
-
-// poolAs connects as the given group role (every session SET ROLE to it),
-// as a login role granted once_<group> would.
-func poolAs(t *testing.T, admin *pgxpool.Pool, role string) *pgxpool.Pool {
-	t.Helper()
-	cfg := admin.Config().Copy()
-	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		_, err := c.Exec(ctx, "SET ROLE "+role)
-		return err
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
-}
 
 func denied(err error) bool {
 	var pg *pgconn.PgError
@@ -53,8 +35,8 @@ func TestEachGroupsRoleWritesOnlyItsOwnTables(t *testing.T) {
 	if _, err := migrations.Up(ctx, admin); err != nil {
 		t.Fatal(err)
 	}
-	analyticsPool := poolAs(t, admin, "once_analytics")
-	billingPool := poolAs(t, admin, "once_billing")
+	analyticsPool := testenv.PoolAs(t, admin, "once_analytics")
+	billingPool := testenv.PoolAs(t, admin, "once_billing")
 
 	for _, probe := range []struct {
 		pool *pgxpool.Pool
