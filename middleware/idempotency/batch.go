@@ -197,10 +197,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	// First claims: the horizon, as for a message on its own. An event
 	// outside it fails the batch; on its own it is dead-lettered, and the
 	// others are processed.
-	maxAge := m.cfg.MaxEventAge
-	if retentionSeconds.Valid && maxAge > 0 {
-		maxAge = min(maxAge, time.Duration(retentionSeconds.Int64)*time.Second-m.cfg.MaxClockSkew)
-	}
+	maxAge := m.maxAge(retentionSeconds)
 	var claimed []*message.Message
 	var claimedIdx []int
 	for i, msg := range msgs {

@@ -405,7 +405,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	}()
 
 	var claimedAt time.Time
-	var retentionSeconds *int64
+	var retentionSeconds pgtype.Int8
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
 	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
@@ -429,13 +429,7 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	if m.cfg.Now != nil {
 		claimedAt = m.cfg.Now()
 	}
-	maxAge := m.cfg.MaxEventAge
-	if retentionSeconds != nil && maxAge > 0 {
-		// Claims are kept no longer than the recorded retention, whatever
-		// this process was started with.
-		maxAge = min(maxAge, time.Duration(*retentionSeconds)*time.Second-m.cfg.MaxClockSkew)
-	}
-	if err := m.checkHorizon(key, claimedAt, maxAge); err != nil {
+	if err := m.checkHorizon(key, claimedAt, m.maxAge(retentionSeconds)); err != nil {
 		return OutsideHorizon, nil, err
 	}
 
@@ -497,6 +491,17 @@ func (m *Middleware) log(msg *message.Message, level slog.Level, text string, ke
 		attrs = append(attrs, m.cfg.LogAttrs(msg)...)
 	}
 	m.cfg.Logger.Log(msg.Context(), level, text, attrs...)
+}
+
+// maxAge is the oldest a first claim may be: MaxEventAge, and no older than
+// the recorded retention (retentionSeconds, NULL when none is recorded)
+// keeps claims, whatever this process was started with.
+func (m *Middleware) maxAge(retentionSeconds pgtype.Int8) time.Duration {
+	maxAge := m.cfg.MaxEventAge
+	if retentionSeconds.Valid && maxAge > 0 {
+		maxAge = min(maxAge, time.Duration(retentionSeconds.Int64)*time.Second-m.cfg.MaxClockSkew)
+	}
+	return maxAge
 }
 
 // uuidParam is an event id as a statement parameter. pgx encodes a
