@@ -1,20 +1,17 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
-
-	"github.com/once-dev/once/internal/durable"
 )
 
 // claimBatchSQL is claimSQL for many events at once: one statement, one
@@ -24,8 +21,7 @@ import (
 //
 // %s: the claim table, then the retention policy table (see claimSQL).
 const claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-SELECT u.k, $2, u.h FROM (SELECT ` + durable.RaiseSynchronousCommit + `,
-  set_config('idle_in_transaction_session_timeout', coalesce($4::text, current_setting('idle_in_transaction_session_timeout')), true)) AS bounded,
+SELECT u.k, $2, u.h FROM (SELECT ` + bounds + `) AS bounded,
   unnest($1::uuid[], $3::bytea[]) AS u(k, h)
 ORDER BY u.k
 ON CONFLICT (event_id, consumer_group) DO NOTHING
@@ -57,7 +53,8 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Messag
 //   - nil: the message is done (processed in the committed batch, or a
 //     duplicate);
 //   - a permanent error: an invalid key, or [ErrPayloadMismatch];
-//   - [ErrRunAlone]: run the message through [Middleware.Middleware].
+//   - [ErrRunAlone] (wrapping why the batch failed, when it did): run the
+//     message through [Middleware.Middleware].
 //
 // A failing batch never decides a message it could not prove: one bad event
 // costs its batch a rollback, and each of the batch's events is then run on
@@ -77,7 +74,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	}
 
 	keys := make([]uuid.UUID, len(msgs))
-	sums := make([][]byte, len(msgs))
+	sums := make([]fingerprints, len(msgs))
 	first := map[uuid.UUID]int{} // a key's first message in the batch
 	var batchKeys []uuid.UUID
 	var batchSums [][]byte
@@ -90,8 +87,13 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 			report(i, uuid.Nil, Failed, Permanent(err))
 			continue
 		}
-		sum := sha256.Sum256(msg.Payload)
-		keys[i], sums[i] = key, sum[:]
+		sum, err := m.cfg.Fingerprint(msg)
+		if err != nil {
+			// Not the message's fault (see Middleware): its own run holds it.
+			errs[i] = ErrRunAlone
+			continue
+		}
+		keys[i], sums[i] = key, fingerprints{canonical: sum[:], raw: rawSum(sum, msg)}
 		if _, seen := first[key]; seen {
 			// The same event twice in one batch: its first copy decides
 			// it, and this one finds that claim when run on its own.
@@ -100,7 +102,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		}
 		first[key] = i
 		batchKeys = append(batchKeys, key)
-		batchSums = append(batchSums, sum[:])
+		batchSums = append(batchSums, sums[i].canonical)
 	}
 	if len(batchKeys) == 0 {
 		return errs
@@ -128,7 +130,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		}
 	}()
 
-	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable)
+	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable, m.stmtLimit)
 	if err != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return runAlone()
@@ -184,7 +186,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 				// Not inserted and not there: a claim deleted in between
 				// (retention). The message's own run decides it.
 				errs[i] = ErrRunAlone
-			case !bytes.Equal(sum, sums[i]):
+			case !sums[i].match(sum):
 				err := Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 				m.log(msgs[i], slog.LevelError, "event id reused with a different payload", key, "err", err)
 				report(i, key, PayloadMismatch, err)
@@ -220,12 +222,20 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 
 	if len(claimed) > 0 {
 		handling := time.Now()
-		err := h(ContextWithTx(ctx, tx), tx, claimed)
+		err := runBatchHandler(ContextWithTx(ctx, tx), tx, claimed, h)
 		handle = time.Since(handling)
 		if err != nil {
-			m.cfg.Logger.Info("batch: the handler failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup,
-				"messages", len(msgs), "claimed", len(claimed), "err", err)
-			return m.undecide(errs, claimedIdx)
+			if isSerializationFailure(err) {
+				// Two batches at once (Concurrency, or two instances) that
+				// lock shared rows in different orders: a handler that
+				// sorts its writes by key never meets this.
+				m.cfg.Logger.Warn("batch: the handler deadlocked with another transaction; its messages run on their own (lock rows in key order in the batch handler)",
+					"consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "claimed", len(claimed), "err", err)
+			} else {
+				m.cfg.Logger.Info("batch: the handler failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup,
+					"messages", len(msgs), "claimed", len(claimed), "err", err)
+			}
+			return m.undecide(errs, claimedIdx, err)
 		}
 	}
 	finishCtx, finish := m.finishContext(ctx)
@@ -238,7 +248,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		// Whether it took effect is unknown; each message's own run finds
 		// its claim or makes it.
 		m.cfg.Logger.Warn("batch: commit failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
-		return m.undecide(errs, claimedIdx)
+		return m.undecide(errs, claimedIdx, err)
 	}
 	for _, i := range claimedIdx {
 		report(i, keys[i], Processed, nil)
@@ -246,12 +256,31 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	return errs
 }
 
-// undecide sends a rolled-back batch's first claims to run on their own;
-// what the batch proved from committed claims (duplicates, mismatches)
-// stands.
-func (m *Middleware) undecide(errs []error, claimedIdx []int) []error {
+// runBatchHandler runs h, a panic included: the batch rolls back and each
+// event runs on its own, where the router's recoverer turns the same panic
+// into an error that holds that one event. Unrecovered, it would end the
+// process, and again at every restart.
+func runBatchHandler(ctx context.Context, tx pgx.Tx, claimed []*message.Message, h BatchHandler) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("idempotency: the batch handler panicked: %v\n%s", r, debug.Stack())
+		}
+	}()
+	return h(ctx, tx, claimed)
+}
+
+// undecide sends a rolled-back batch's first claims to run on their own,
+// with why the batch failed; what the batch proved from committed claims
+// (duplicates, mismatches) stands.
+func (m *Middleware) undecide(errs []error, claimedIdx []int, cause error) []error {
+	runAlone := fmt.Errorf("%w: %w", ErrRunAlone, cause)
 	for _, i := range claimedIdx {
-		errs[i] = ErrRunAlone
+		errs[i] = runAlone
 	}
 	return errs
 }
+
+// IsDeadlock reports whether err is PostgreSQL's deadlock (40P01) or
+// serialization failure (40001): a conflict with another transaction that
+// the same work passes when tried again.
+func IsDeadlock(err error) bool { return isSerializationFailure(err) }

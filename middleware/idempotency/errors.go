@@ -98,12 +98,3 @@ func isSerializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "40001" || pgErr.Code == "40P01")
 }
-
-// isDataError reports an error PostgreSQL raised about values: SQLSTATE
-// class 22 (data exception: a number out of range, a string too long) or 23
-// (integrity constraint violation). Raised by a handler's own statement, it
-// comes from the message's values, and no retry changes them.
-func isDataError(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && len(pgErr.Code) == 5 && (pgErr.Code[:2] == "22" || pgErr.Code[:2] == "23")
-}

@@ -1,9 +1,7 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -45,11 +43,23 @@ import (
 // gave up: its backend would keep the claim's row lock (and any lock the
 // handler took) until TCP keepalive notices, two hours by default, and the
 // partition's next owner would wait on it all that time.
+//
+// Both bounds, and statement_timeout ($6, Config.StatementTimeout) for every
+// statement of the transaction, are set for this transaction only: behind a
+// transaction pooler (PgBouncer) a session setting would stay on a server
+// connection that the next transaction of another client gets, and a
+// setting in the connection's start-up packet is refused by the pooler.
 const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-SELECT $1, $2, $3 FROM (SELECT ` + durable.RaiseSynchronousCommit + `,
-  set_config('idle_in_transaction_session_timeout', coalesce($4::text, current_setting('idle_in_transaction_session_timeout')), true)) AS bounded
+SELECT $1, $2, $3 FROM (SELECT ` + bounds + `) AS bounded
 ON CONFLICT (event_id, consumer_group) DO NOTHING
 RETURNING processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
+
+// bounds is the select list that makes the claim's transaction durable and
+// bounded (see claimSQL); $4 and $6 are milliseconds as text, or NULL for
+// the server's setting.
+const bounds = durable.RaiseSynchronousCommit + `,
+  set_config('idle_in_transaction_session_timeout', coalesce($4::text, current_setting('idle_in_transaction_session_timeout')), true),
+  set_config('statement_timeout', coalesce($6::text, current_setting('statement_timeout')), true)`
 
 // storedHashSQL runs as its own statement, after the claim, on purpose: at
 // READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
@@ -74,6 +84,17 @@ type Config struct {
 	// Key extracts the dedup key; it must be a UUIDv7. Default: [PayloadEventID].
 	Key KeyFunc
 
+	// Fingerprint is the SHA-256 of what the event says, stored with its
+	// claim: a later delivery under the same id with another fingerprint is
+	// [ErrPayloadMismatch], one with the same is a duplicate. Make it a hash
+	// of the event's decoded values in a canonical form, so that a
+	// re-published event in another byte form (member order, a time zone
+	// offset, 12.5 or "12.50") is a duplicate; package pipeline does. A
+	// claim stored with the hash of the payload's bytes (the default, and
+	// what releases before fingerprints stored) matches that hash too.
+	// Default: [PayloadSHA256].
+	Fingerprint func(msg *message.Message) ([32]byte, error)
+
 	// Schema and Table name the claim table, created by package schema.
 	// Defaults: "public" and "processed_event".
 	Schema string
@@ -92,8 +113,10 @@ type Config struct {
 	// StatementTimeout bounds each of the middleware's own statements (begin,
 	// claim, reading a claim) on the client's side: a database that went
 	// silent (a network black hole) answers nothing and would hold an attempt
-	// for as long as TCP does. The handler's statements are bounded by the
-	// router (pipeline.Config.AttemptTimeout). Default: 30s.
+	// for as long as TCP does. On the server's side it is the
+	// statement_timeout of every statement of the claim's transaction, the
+	// handler's included, set for that transaction only. Default: 30s.
+	// Negative: no client bound, and the server's own statement_timeout.
 	StatementTimeout time.Duration
 
 	// IdleInTransactionTimeout is how long the server lets the claim's
@@ -155,6 +178,9 @@ type Config struct {
 func (c *Config) setDefaults() {
 	if c.Key == nil {
 		c.Key = PayloadEventID
+	}
+	if c.Fingerprint == nil {
+		c.Fingerprint = PayloadSHA256
 	}
 	if c.Schema == "" {
 		c.Schema = "public"
@@ -289,6 +315,7 @@ type Middleware struct {
 	cfg        Config
 	claimSQL   string
 	idleLimit  *string // milliseconds, for set_config; nil keeps the server's
+	stmtLimit  *string // the same for statement_timeout
 	claimTable string  // the retention policy's key
 	storedSQL  string
 	// The same for a batch (ProcessBatch).
@@ -302,15 +329,21 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, err
 	}
 	table := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
-	var idleLimit *string
-	if cfg.IdleInTransactionTimeout > 0 {
-		ms := fmt.Sprint(max(cfg.IdleInTransactionTimeout.Milliseconds(), 1))
-		idleLimit = &ms
-	}
 	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
 	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table, policy), storedSQL: fmt.Sprintf(storedHashSQL, table),
 		claimBatchSQL: fmt.Sprintf(claimBatchSQL, table, policy), storedHashesSQL: fmt.Sprintf(storedHashesSQL, table),
-		idleLimit: idleLimit, claimTable: cfg.Schema + "." + cfg.Table}, nil
+		idleLimit: milliseconds(cfg.IdleInTransactionTimeout), stmtLimit: milliseconds(cfg.StatementTimeout),
+		claimTable: cfg.Schema + "." + cfg.Table}, nil
+}
+
+// milliseconds is d as a set_config value, or nil (the server's own
+// setting) for a d that is not positive.
+func milliseconds(d time.Duration) *string {
+	if d <= 0 {
+		return nil
+	}
+	ms := fmt.Sprint(max(d.Milliseconds(), 1))
+	return &ms
 }
 
 // Middleware wraps h as described in the package documentation. Errors it
@@ -340,10 +373,18 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		res.EventID = key
-		sum := sha256.Sum256(msg.Payload)
+		sum, err := m.cfg.Fingerprint(msg)
+		if err != nil {
+			// The event decoded but its values cannot be written down: a
+			// bug of its type, not of the message. Held until fixed.
+			err = fmt.Errorf("idempotency: fingerprint of %s: %w", key, err)
+			report(Failed, err)
+			return nil, err
+		}
+		sums := fingerprints{canonical: sum[:], raw: rawSum(sum, msg)}
 
 		for serializationRetries := 0; ; serializationRetries++ {
-			outcome, produced, err := m.attempt(msg, h, key, sum[:], &res)
+			outcome, produced, err := m.attempt(msg, h, key, sums, &res)
 			if err != nil && isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries {
 				continue
 			}
@@ -387,7 +428,7 @@ func uuidV7Time(id uuid.UUID) time.Time {
 // attempt runs one transaction: claim, then either skip or run the handler and
 // commit. The deferred rollback also covers a panicking handler, so a panic
 // leaves no claim behind before it unwinds to the recoverer.
-func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sum []byte, res *Result) (_ Outcome, _ []*message.Message, err error) {
+func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sums fingerprints, res *Result) (_ Outcome, _ []*message.Message, err error) {
 	res.Claim, res.Handle, res.Commit = 0, 0, 0
 	began := time.Now()
 	msgCtx := msg.Context()
@@ -408,14 +449,14 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	var retentionSeconds pgtype.Int8
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
-	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sum, m.idleLimit, m.claimTable).Scan(&claimedAt, &retentionSeconds)
+	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sums.canonical, m.idleLimit, m.claimTable, m.stmtLimit).Scan(&claimedAt, &retentionSeconds)
 	res.Claim = time.Since(began)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var stored []byte
 		if err := tx.QueryRow(stmtCtx, m.storedSQL, uuidParam(key), m.cfg.ConsumerGroup).Scan(&stored); err != nil {
 			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 		}
-		if !bytes.Equal(stored, sum) {
+		if !sums.match(stored) {
 			return PayloadMismatch, nil, Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 		}
 		// Claimed before: a duplicate, whatever its age.
@@ -433,7 +474,8 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		return OutsideHorizon, nil, err
 	}
 
-	msg.SetContext(ContextWithTx(msgCtx, tx))
+	attemptCtx, effects := withAttempt(ContextWithTx(msgCtx, tx))
+	msg.SetContext(attemptCtx)
 	handling := time.Now()
 	produced, err := func() ([]*message.Message, error) {
 		defer msg.SetContext(msgCtx) // the transaction must not outlive this attempt
@@ -443,10 +485,13 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	var rejected rejectAfterCommit
 	isRejection := errors.As(err, &rejected)
 	if err != nil && !isRejection {
-		if !IsPermanent(err) && isDataError(err) && !tx.Conn().IsClosed() {
-			err = Permanent(err)
-		}
-		return Failed, nil, err
+		// A database error is the message's fault only when the handler
+		// made it a verdict (Permanent): a constraint or a value the
+		// server refused (class 22, 23) comes from a pooler, a driver
+		// mode, a concurrent writer or a parent row not written yet as
+		// often as from the event. And after an effect outside the
+		// transaction, nothing is permanent.
+		return Failed, nil, holdAfterEffect(effects, err)
 	}
 
 	if isRejection && m.cfg.RecordRejection != nil {

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"net"
@@ -354,9 +355,13 @@ func TestConnectionLostInHandlerIsNotPermanent(t *testing.T) {
 	}
 }
 
-// A data error of the handler's own statement (SQLSTATE class 22 or 23) comes
-// from the message's values: permanent, and rolled back with the claim.
-func TestHandlerDataErrorIsPermanent(t *testing.T) {
+// A data error of the handler's statement (SQLSTATE class 22 or 23) is not
+// the message's fault unless the handler says so: behind a pooler, in a
+// driver mode, under a concurrent writer or before another consumer wrote a
+// parent row, the same event passes later. It is held (not permanent), and
+// rolled back with its claim; wrapped in Permanent by the handler, it is the
+// handler's verdict.
+func TestHandlerDataErrorIsHeldUnlessTheHandlerDecides(t *testing.T) {
 	pool := setup(t)
 	group := uniqueGroup(t, "g")
 	id, msg := newEvent(t)
@@ -366,29 +371,223 @@ func TestHandlerDataErrorIsPermanent(t *testing.T) {
 		"not null violation (23502)":   `INSERT INTO idempotency_test_effect (event_id, consumer_group) VALUES (NULL, 'x')`,
 		"division by zero (22012)":     `SELECT 1/0`,
 		"invalid text for int (22P02)": `SELECT 'seventeen'::int`,
+		"missing table (42P01)":        `SELECT * FROM no_such_table_yet`,
 	} {
-		_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-			tx, _ := idempotency.TxFromContext(msg.Context())
-			_, err := tx.Exec(msg.Context(), stmt)
-			return nil, err
-		})(msg.Copy())
-		var pgErr *pgconn.PgError
-		if !idempotency.IsPermanent(err) || !errors.As(err, &pgErr) {
-			t.Errorf("%s: got %v; want a permanent PostgreSQL error", name, err)
+		for _, verdict := range []bool{false, true} {
+			_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := idempotency.TxFromContext(msg.Context())
+				_, err := tx.Exec(msg.Context(), stmt)
+				if verdict {
+					return nil, idempotency.Permanent(err)
+				}
+				return nil, err
+			})(msg.Copy())
+			var pgErr *pgconn.PgError
+			if !errors.As(err, &pgErr) || idempotency.IsPermanent(err) != verdict {
+				t.Errorf("%s, the handler's verdict %t: got %v (permanent %t); want the PostgreSQL error, permanent only as a verdict",
+					name, verdict, err, idempotency.IsPermanent(err))
+			}
 		}
 	}
 	if claims(t, pool, id, group) != 0 {
-		t.Fatal("a permanent failure left its claim")
+		t.Fatal("a failed attempt left its claim")
 	}
-	// Other SQL errors of the handler are the environment's (a missing
-	// table is a deployment that has not migrated yet): not permanent.
-	_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+}
+
+// Two consumers check, then insert the same row under READ COMMITTED: the
+// loser's insert fails with 23505, a race of the environment. It is held,
+// and its next attempt, which sees the winner's row, succeeds.
+func TestAConcurrentInsertIsHeldNotDeadLettered(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS idempotency_test_customer (id bigint PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	customer := time.Now().UnixNano()
+	group := uniqueGroup(t, "g")
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	bothChecked := make(chan struct{}, 2)
+	release := make(chan struct{})
+	var collisions atomic.Int64
+	upsertByHand := func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := idempotency.TxFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `SELECT * FROM no_such_table_yet`)
-		return nil, err
+		var exists bool
+		if err := tx.QueryRow(msg.Context(), `SELECT EXISTS (SELECT 1 FROM idempotency_test_customer WHERE id = $1)`, customer).Scan(&exists); err != nil {
+			return nil, err
+		}
+		bothChecked <- struct{}{}
+		<-release
+		if !exists {
+			if _, err := tx.Exec(msg.Context(), `INSERT INTO idempotency_test_customer (id) VALUES ($1)`, customer); err != nil {
+				var pgErr *pgconn.PgError
+				if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+					collisions.Add(1)
+				}
+				return nil, err
+			}
+		}
+		return nil, nil
+	}
+	h := m.Middleware(upsertByHand)
+	_, first := newEvent(t)
+	_, second := newEvent(t)
+	errs := make(chan error, 2)
+	for _, msg := range []*message.Message{first, second} {
+		go func() { _, err := h(msg.Copy()); errs <- err }()
+	}
+	<-bothChecked
+	<-bothChecked
+	close(release)
+	var failed error
+	for range 2 {
+		if err := <-errs; err != nil {
+			failed = err
+		}
+	}
+	if collisions.Load() != 1 {
+		t.Fatalf("%d unique violations; the race did not happen (want 1)", collisions.Load())
+	}
+	if idempotency.IsPermanent(failed) {
+		t.Fatalf("the loser of a check-then-insert race: %v is permanent; want it held", failed)
+	}
+	bothChecked = make(chan struct{}, 2)
+	for _, msg := range []*message.Message{first, second} {
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatalf("tried again: %v; want the loser processed and the winner a duplicate", err)
+		}
+	}
+}
+
+// After an effect outside the transaction (the provider charged), nothing
+// the attempt returns is permanent: neither a write the server refuses
+// (22P02) nor the handler's own verdict. The message is held, and the effect
+// is recorded once when a later attempt's write commits.
+func TestNothingIsPermanentAfterAnExternalEffect(t *testing.T) {
+	pool := setup(t)
+	for _, verdict := range []bool{false, true} {
+		t.Run(fmt.Sprintf("verdict=%t", verdict), func(t *testing.T) {
+			group := uniqueGroup(t, "g")
+			id, msg := newEvent(t)
+			m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+			var charges, refused atomic.Int64
+			writeFails := true
+			h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := idempotency.TxFromContext(msg.Context())
+				charges.Add(1) // the provider charged (under the event's key)
+				idempotency.MarkExternalEffect(msg.Context(), "charged order 17")
+				amount := "10.00"
+				if writeFails {
+					amount = "ten euros" // what a driver mode or a pooler can do to a value
+				}
+				_, err := tx.Exec(msg.Context(), `INSERT INTO idempotency_test_effect (event_id, consumer_group, at)
+					SELECT $1, $2, now() + ($3::text::numeric * interval '0 second')`, id, group, amount)
+				if err != nil {
+					refused.Add(1)
+					if verdict {
+						return nil, idempotency.Permanent(err)
+					}
+				}
+				return nil, err
+			})
+			_, err := h(msg.Copy())
+			if refused.Load() != 1 {
+				t.Fatalf("the write was refused %d times; want 1 (the fault did not happen)", refused.Load())
+			}
+			if err == nil || idempotency.IsPermanent(err) || !errors.Is(err, idempotency.ErrAfterExternalEffect) {
+				t.Fatalf("after the charge: %v; want ErrAfterExternalEffect, not permanent", err)
+			}
+			var pgErr *pgconn.PgError
+			if !errors.As(err, &pgErr) || pgErr.Code != "22P02" {
+				t.Fatalf("the cause is lost: %v", err)
+			}
+			writeFails = false
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatalf("the next attempt: %v", err)
+			}
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatalf("a redelivery: %v", err)
+			}
+			if effects(t, pool, id, group) != 1 || charges.Load() != 2 {
+				t.Fatalf("%d recorded charges after %d provider calls; want 1 record (the second call is the provider's replay of its key)",
+					effects(t, pool, id, group), charges.Load())
+			}
+		})
+	}
+	// Without the mark, a verdict is a verdict.
+	group := uniqueGroup(t, "g")
+	_, msg := newEvent(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group})
+	_, err := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, idempotency.Permanent(errors.New("declined"))
 	})(msg.Copy())
-	if err == nil || idempotency.IsPermanent(err) {
-		t.Fatalf("missing table: got %v; want an error that is not permanent", err)
+	if !idempotency.IsPermanent(err) {
+		t.Fatalf("a verdict without an effect: %v; want permanent", err)
+	}
+}
+
+// A producer that publishes the same event again may write it in another
+// byte form: members in another order, the time with another offset, a
+// number with another scale. The claim compares canonical forms: the same
+// values are a duplicate, other values under the id are a mismatch.
+func TestARepublishedEventInAnotherByteFormIsADuplicate(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id := uuid.Must(uuid.NewV7())
+	var runs atomic.Int64
+	var outcomes []idempotency.Outcome
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
+		OnResult: func(r idempotency.Result) { outcomes = append(outcomes, r.Outcome) }})
+	h := m.Middleware(recordEffect(group, &runs))
+	forms := []string{
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","amount":12.5,"order":{"id":7,"lines":[1,2]}}`,
+		`{"amount":12.50, "order":{"lines":[1,2],"id":7}, "occurred_at":"2026-12-02T15:08:21.123456+00:00", "event_id":"%s"}`,
+		`{
+  "occurred_at": "2026-12-02T17:08:21.123456+02:00",
+  "amount": 1.250e1,
+  "event_id": "%s",
+  "order": {"id": 7.0, "lines": [1, 2]}
+}`,
+	}
+	for _, f := range forms {
+		msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf(f, id)))
+		if _, err := h(msg); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+	for _, other := range []string{
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","amount":12.51,"order":{"id":7,"lines":[1,2]}}`,
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456+01:00","amount":12.5,"order":{"id":7,"lines":[1,2]}}`,
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","amount":12.5,"order":{"id":7,"lines":[2,1]}}`,
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","amount":"12.5","order":{"id":7,"lines":[1,2]}}`,
+	} {
+		msg := message.NewMessage(uuid.NewString(), []byte(fmt.Sprintf(other, id)))
+		if _, err := h(msg); !errors.Is(err, idempotency.ErrPayloadMismatch) {
+			t.Errorf("%s: %v; want ErrPayloadMismatch", other, err)
+		}
+	}
+	want := []idempotency.Outcome{idempotency.Processed, idempotency.Duplicate, idempotency.Duplicate,
+		idempotency.PayloadMismatch, idempotency.PayloadMismatch, idempotency.PayloadMismatch, idempotency.PayloadMismatch}
+	if !slices.Equal(outcomes, want) || runs.Load() != 1 {
+		t.Fatalf("outcomes %v, %d runs; want %v and 1", outcomes, runs.Load(), want)
+	}
+}
+
+// A claim made before fingerprints were canonical holds the SHA-256 of the
+// payload's bytes: a redelivery of those very bytes is still a duplicate.
+func TestAClaimStoredWithTheBytesHashStillMatches(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	raw := sha256.Sum256(msg.Payload)
+	if _, err := pool.Exec(context.Background(), `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, $3)`,
+		id, group, raw[:]); err != nil {
+		t.Fatal(err)
+	}
+	var outcome idempotency.Outcome
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, OnResult: func(r idempotency.Result) { outcome = r.Outcome }})
+	var runs atomic.Int64
+	if _, err := m.Middleware(recordEffect(group, &runs))(msg.Copy()); err != nil || outcome != idempotency.Duplicate {
+		t.Fatalf("%v, outcome %v; want a duplicate", err, outcome)
 	}
 }
 

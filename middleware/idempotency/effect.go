@@ -1,0 +1,90 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+)
+
+// MarkExternalEffect records that the current attempt caused an effect
+// outside the claim's transaction: a provider charged or refunded, an e-mail
+// or a message left. Call it as soon as the effect is known to have happened.
+//
+// From then on nothing that attempt returns is permanent: the money has
+// moved and only its record is missing, so the message is held and tried
+// again until its record commits, never dead-lettered. An error marked
+// [Permanent] after the mark (a write refused, a bug) is reported with
+// [ErrAfterExternalEffect]. [RejectAfterCommit] still dead-letters: its
+// record commits with the claim first. The next attempt repeats the call;
+// give the effect its own idempotency (an Idempotency-Key equal to the
+// event id, R-KFK-IDEM-4) so that it happens once.
+//
+// Outside the middleware (ctx carries no attempt) it does nothing.
+func MarkExternalEffect(ctx context.Context, what string) {
+	if a, ok := ctx.Value(attemptKey{}).(*attemptEffects); ok {
+		a.mark(what)
+	}
+}
+
+// ErrAfterExternalEffect is wrapped by the error of an attempt that failed,
+// even for good, after [MarkExternalEffect]: it is not permanent, and the
+// message is held until an attempt commits.
+var ErrAfterExternalEffect = errors.New("idempotency: failed after an external effect; held until its record commits")
+
+// attemptEffects is what one attempt did outside its transaction.
+type attemptEffects struct {
+	mu      sync.Mutex
+	effects []string
+}
+
+type attemptKey struct{}
+
+func withAttempt(ctx context.Context) (context.Context, *attemptEffects) {
+	a := &attemptEffects{}
+	return context.WithValue(ctx, attemptKey{}, a), a
+}
+
+func (a *attemptEffects) mark(what string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.effects = append(a.effects, what)
+}
+
+func (a *attemptEffects) happened() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]string(nil), a.effects...)
+}
+
+// afterEffectError keeps a permanent verdict from dead-lettering a message
+// whose attempt already had an effect outside the transaction.
+type afterEffectError struct {
+	effects []string
+	err     error
+}
+
+func (e *afterEffectError) Error() string {
+	return fmt.Sprintf("%v after %s: %v", ErrAfterExternalEffect, strings.Join(e.effects, ", "), e.err)
+}
+
+func (e *afterEffectError) Unwrap() []error { return []error{ErrAfterExternalEffect, e.err} }
+
+// Permanent reports false: see [MarkExternalEffect]. It is found before any
+// Permanent method of the error it wraps.
+func (e *afterEffectError) Permanent() bool { return false }
+
+// holdAfterEffect turns err into one that is not permanent, and says what
+// happened before it, when the attempt had an effect outside its
+// transaction.
+func holdAfterEffect(a *attemptEffects, err error) error {
+	if err == nil {
+		return nil
+	}
+	effects := a.happened()
+	if len(effects) == 0 {
+		return err
+	}
+	return &afterEffectError{effects: effects, err: err}
+}
