@@ -2,6 +2,7 @@ package dlq
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/once-dev/once/internal/durable"
+	"github.com/once-dev/once/internal/kafkasend"
 )
 
 // DefaultTable holds dead letters until Kafka has them (package schema
@@ -55,9 +57,24 @@ type StoreConfig struct {
 // is published on its own and deleted only after Kafka acknowledged it, so
 // one letter that cannot be published holds up no other, and none is lost.
 type Store struct {
-	table string
-	nudge chan struct{}
+	table   string
+	sources string
+	nudge   chan struct{}
 }
+
+// Source is where a dead-lettered message was read: a consumer group's
+// delivery of one Kafka record.
+type Source struct {
+	Group     string
+	Topic     string
+	Partition int32
+	Offset    int64
+}
+
+// DefaultSourceRetention is how long [Store.ParkFrom] remembers the
+// messages it dead-lettered: as long as claims are kept by default, which is
+// as far back as an offset reset is expected to reach.
+const DefaultSourceRetention = 7 * 24 * time.Hour
 
 var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
 
@@ -78,7 +95,8 @@ func NewStore(cfg StoreConfig) (*Store, error) {
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	return &Store{table: pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(), nudge: make(chan struct{}, 1)}, nil
+	return &Store{table: pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(), sources: pgx.Identifier{cfg.Schema, cfg.Table + "_sources"}.Sanitize(),
+		nudge: make(chan struct{}, 1)}, nil
 }
 
 // TableDDL is the statement that creates the table.
@@ -94,6 +112,21 @@ func (s *Store) TableDDL() string {
     attempts        int         NOT NULL DEFAULT 0,
     last_error      text,
     next_attempt_at timestamptz NOT NULL DEFAULT now()
+)`
+}
+
+// SourcesDDL creates the table of the messages [Store.ParkFrom] dead-lettered.
+func (s *Store) SourcesDDL() string {
+	return `CREATE TABLE IF NOT EXISTS ` + s.sources + ` (
+    consumer_group   text        NOT NULL,
+    topic            text        NOT NULL,
+    kafka_partition  int         NOT NULL,
+    kafka_offset     bigint      NOT NULL,
+    -- The same place with other bytes is another message (the topic was
+    -- made again): it is dead-lettered too.
+    payload_sha256   bytea       NOT NULL,
+    dead_lettered_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, topic, kafka_partition, kafka_offset)
 )`
 }
 
@@ -145,6 +178,56 @@ func (s *Store) Park(ctx context.Context, db Execer, letters ...Letter) error {
 	return nil
 }
 
+// parkFromSQL parks a letter only when its source was not dead-lettered
+// before with the same bytes: one statement, so that the record of the
+// source and the letter commit together or not at all.
+const parkFromSQL = `WITH first AS (
+  INSERT INTO %[1]s AS s (consumer_group, topic, kafka_partition, kafka_offset, payload_sha256)
+  VALUES ($5, $6, $7, $8, $9)
+  ON CONFLICT (consumer_group, topic, kafka_partition, kafka_offset)
+  DO UPDATE SET payload_sha256 = EXCLUDED.payload_sha256, dead_lettered_at = now()
+  WHERE s.payload_sha256 <> EXCLUDED.payload_sha256
+  RETURNING 1
+)
+INSERT INTO %[2]s (topic, key, payload, headers)
+SELECT $1, $2, $3, $4 FROM first, (SELECT ` + durable.RaiseSynchronousCommit + `) AS durable`
+
+// ParkFrom parks the letter of the message read at src, unless that very
+// message (the same bytes at the same place, for the same group) was
+// dead-lettered before: an offset reset or a rebalance that re-reads a
+// partition delivers it again, and its letter is already on its way or on
+// its topic. It reports whether it parked the letter.
+func (s *Store) ParkFrom(ctx context.Context, db Execer, src Source, l Letter) (bool, error) {
+	headers, err := encodeHeaders(l.Headers)
+	if err != nil {
+		return false, fmt.Errorf("dlq: encode headers: %w", err)
+	}
+	sum := sha256.Sum256(l.Payload)
+	tag, err := db.Exec(ctx, fmt.Sprintf(parkFromSQL, s.sources, s.table), l.Topic, l.Key, l.Payload, headers,
+		src.Group, src.Topic, src.Partition, src.Offset, sum[:])
+	if err != nil {
+		return false, fmt.Errorf("dlq: park a dead letter for %s: %w", l.Topic, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// PruneSources forgets dead-lettered sources older than olderThan, in
+// batches, and returns how many it forgot.
+func (s *Store) PruneSources(ctx context.Context, db Execer, olderThan time.Duration) (int64, error) {
+	var total int64
+	for {
+		tag, err := db.Exec(ctx, `DELETE FROM `+s.sources+` WHERE ctid IN (SELECT ctid FROM `+s.sources+`
+WHERE dead_lettered_at < now() - make_interval(secs => $1) LIMIT 5000)`, olderThan.Seconds())
+		if err != nil {
+			return total, fmt.Errorf("dlq: prune dead-lettered sources: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < 5000 {
+			return total, nil
+		}
+	}
+}
+
 // Nudge tells a running [Store.Drain] loop that letters are waiting, so it
 // does not wait for its next poll.
 func (s *Store) Nudge() {
@@ -172,6 +255,10 @@ type DrainConfig struct {
 	// sharing the database, or of a topic since renamed, stay parked for
 	// their owner or a person (app dlq list). Empty: every topic.
 	Topics []string
+	// SourceRetention is how long the sources of dead letters are
+	// remembered (see [Store.ParkFrom]); they are forgotten once an hour.
+	// Default [DefaultSourceRetention].
+	SourceRetention time.Duration
 	// OnPublished is called after a letter reached Kafka. Default: none.
 	OnPublished func(Letter)
 	Logger      *slog.Logger
@@ -187,6 +274,9 @@ func (cfg *DrainConfig) setDefaults() {
 	if cfg.MaxBackoff == 0 {
 		cfg.MaxBackoff = 30 * time.Second
 	}
+	if cfg.SourceRetention == 0 {
+		cfg.SourceRetention = DefaultSourceRetention
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -198,7 +288,14 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 	s.reportOthers(ctx, cfg)
 	t := time.NewTicker(cfg.PollInterval)
 	defer t.Stop()
+	var pruned time.Time
 	for {
+		if time.Since(pruned) > time.Hour {
+			if _, err := s.PruneSources(ctx, cfg.DB, cfg.SourceRetention); err != nil && ctx.Err() == nil {
+				cfg.Logger.Warn("dead letters: cannot forget old sources; trying again in an hour", "err", err)
+			}
+			pruned = time.Now()
+		}
 		for {
 			n, err := s.DrainOnce(ctx, cfg)
 			if err != nil && ctx.Err() == nil {
@@ -308,7 +405,13 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 		for k, v := range t.letter.Headers {
 			pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
 		}
-		if _, _, perr := cfg.Producer.SendMessage(pm); perr != nil {
+		perr := kafkasend.Send(ctx, cfg.Producer, pm)
+		if perr != nil && ctx.Err() != nil {
+			// Stopping: the letter stays leased, and is published again
+			// after the lease (perhaps twice, never lost).
+			return i + len(undecodable), ctx.Err()
+		}
+		if perr != nil {
 			wait := min(time.Duration(1<<min(t.attempts, 20))*100*time.Millisecond, cfg.MaxBackoff)
 			cfg.Logger.Warn("dead letters: publish failed; the letter stays parked and is tried again",
 				"dlq", t.letter.Topic, "letter", t.id, "attempts", t.attempts, "retry_in", wait, "cause", perr)

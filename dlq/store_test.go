@@ -189,3 +189,82 @@ func TestADrainerTakesOnlyItsTopics(t *testing.T) {
 		t.Fatalf("published %v, parked %+v; want %s published and %s parked untried", published, parked, mine, theirs)
 	}
 }
+
+// silentBroker is a producer whose sends never return, as sarama's do for
+// minutes on a broker that neither answers nor fails; it counts them.
+type silentBroker struct {
+	sarama.SyncProducer
+	sends   chan struct{}
+	release chan struct{}
+}
+
+func (s silentBroker) SendMessage(*sarama.ProducerMessage) (int32, int64, error) {
+	s.sends <- struct{}{}
+	<-s.release
+	return 0, 0, fmt.Errorf("released")
+}
+
+// A stop ends the drain at once while a send waits on a silent broker
+// (review finding: sarama's SendMessage takes no context, and shutdown
+// waited for its retries); the letter stays parked, to be sent later.
+func TestAStopEndsTheDrainWhileKafkaIsSilent(t *testing.T) {
+	ctx := context.Background()
+	store, _, pool := newStore(t)
+	if err := store.Park(ctx, pool, dlq.Letter{Topic: "t", Payload: []byte("p")}); err != nil {
+		t.Fatal(err)
+	}
+	broker := silentBroker{sends: make(chan struct{}, 10), release: make(chan struct{})}
+	defer close(broker.release)
+	drainCtx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		store.Drain(drainCtx, dlq.DrainConfig{DB: pool, Producer: broker})
+	}()
+	select {
+	case <-broker.sends:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the drainer sent nothing: the fault did not happen")
+	}
+	stopped := time.Now()
+	stop()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the drain did not stop within 5s of its context while the broker was silent")
+	}
+	t.Logf("stopped %s after the stop", time.Since(stopped).Round(time.Millisecond))
+	parked, err := store.List(ctx, pool, 10)
+	if err != nil || len(parked) != 1 {
+		t.Fatalf("parked after the stop: %v (%v); want the letter still there", parked, err)
+	}
+}
+
+// ParkFrom parks a message's letter once: the same bytes read again at the
+// same place (an offset reset) are not parked twice; other bytes at that
+// place (the topic made again) are another message.
+func TestParkFromParksAMessageOnce(t *testing.T) {
+	ctx := context.Background()
+	store, _, pool := newStore(t)
+	src := dlq.Source{Group: "g", Topic: "orders", Partition: 3, Offset: 17}
+	for i, c := range []struct {
+		payload string
+		want    bool
+	}{{"bad", true}, {"bad", false}, {"other", true}, {"other", false}} {
+		parked, err := store.ParkFrom(ctx, pool, src, dlq.Letter{Topic: "orders.dlq", Payload: []byte(c.payload)})
+		if err != nil || parked != c.want {
+			t.Fatalf("park %d (%s): parked %t (%v), want %t", i, c.payload, parked, err, c.want)
+		}
+	}
+	other := src
+	other.Group = "h"
+	if parked, err := store.ParkFrom(ctx, pool, other, dlq.Letter{Topic: "orders.dlq", Payload: []byte("bad")}); err != nil || !parked {
+		t.Fatalf("another group's letter: parked %t (%v), want parked", parked, err)
+	}
+	if letters, err := store.List(ctx, pool, 10); err != nil || len(letters) != 3 {
+		t.Fatalf("%d letters parked (%v), want 3", len(letters), err)
+	}
+	if n, err := store.PruneSources(ctx, pool, 0); err != nil || n != 2 {
+		t.Fatalf("pruned %d sources (%v), want 2", n, err)
+	}
+}

@@ -3,10 +3,12 @@ package outbox
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -19,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel"
 
+	"github.com/once-dev/once/internal/kafkasend"
 	"github.com/once-dev/once/internal/tracing"
 )
 
@@ -79,7 +82,7 @@ func (c Config) Validate() error {
 // Outbox is one outbox table.
 type Outbox struct {
 	cfg     Config
-	schema  watermillsql.DefaultPostgreSQLSchema
+	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
 }
@@ -94,15 +97,46 @@ func New(cfg Config) (*Outbox, error) {
 	offsets := pgx.Identifier{cfg.Schema, cfg.OffsetsTable}.Sanitize()
 	return &Outbox{
 		cfg: cfg,
-		schema: watermillsql.DefaultPostgreSQLSchema{
+		schema: insertAsText{watermillsql.DefaultPostgreSQLSchema{
 			GenerateMessagesTableName: func(string) string { return messages },
 			// One forwarder per table, with one lock of its own for creating it.
 			InitializeSchemaLock: int(watermillsql.DefaultSchemaInitializationLock(cfg.Schema + "." + cfg.Table)),
-		},
+		}},
 		offsets: watermillsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(string) string { return offsets }},
 		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
 		}),
+	}, nil
+}
+
+// insertAsText is watermill-sql's PostgreSQL schema with an insert that
+// works in every pgx query exec mode. watermill-sql passes the payload and
+// the metadata as []byte for their json columns: pgx's exec and
+// simple_protocol modes (what a transaction pooler such as PgBouncer needs)
+// send a []byte as bytea text ("\x7b22..."), which json refuses (22P02).
+// Sent as text and cast by the server, they are the same JSON in every mode.
+type insertAsText struct {
+	watermillsql.DefaultPostgreSQLSchema
+}
+
+func (s insertAsText) InsertQuery(params watermillsql.InsertQueryParams) (watermillsql.Query, error) {
+	var values strings.Builder
+	args := make([]any, 0, 3*len(params.Msgs))
+	for i, msg := range params.Msgs {
+		metadata, err := json.Marshal(msg.Metadata)
+		if err != nil {
+			return watermillsql.Query{}, fmt.Errorf("outbox: metadata of %s: %w", msg.UUID, err)
+		}
+		if i > 0 {
+			values.WriteString(",")
+		}
+		n := 3 * i
+		fmt.Fprintf(&values, "($%d, $%d::text::json, $%d::text::json, pg_current_xact_id())", n+1, n+2, n+3)
+		args = append(args, msg.UUID, string(msg.Payload), string(metadata))
+	}
+	return watermillsql.Query{
+		Query: "INSERT INTO " + s.MessagesTable(params.Topic) + " (uuid, payload, metadata, transaction_id) VALUES " + values.String(),
+		Args:  args,
 	}, nil
 }
 
@@ -275,12 +309,22 @@ type KafkaPublisher struct {
 	Producer sarama.SyncProducer
 	// AfterPublish, if set, is called after Kafka acknowledged a message.
 	AfterPublish func(topic string, msg *message.Message)
+	// Stop, if set, ends the wait for Kafka's answer when it is done (the
+	// forwarder's shutdown): sarama's send takes no context, and a broker
+	// that neither answers nor fails would hold the shutdown for minutes.
+	// The row stays unacknowledged and is published again later. Default:
+	// wait for the producer's answer.
+	Stop context.Context
 }
 
 // Publish sends msgs in order, each acknowledged before the next.
 func (k KafkaPublisher) Publish(topic string, msgs ...*message.Message) error {
+	stop := k.Stop
+	if stop == nil {
+		stop = context.Background()
+	}
 	for _, m := range msgs {
-		if _, _, err := k.Producer.SendMessage(Marshal(topic, m)); err != nil {
+		if err := kafkasend.Send(stop, k.Producer, Marshal(topic, m)); err != nil {
 			return fmt.Errorf("outbox: publish %s to %s: %w", m.UUID, topic, err)
 		}
 		if k.AfterPublish != nil {
