@@ -47,7 +47,7 @@ type Metrics struct {
 	claimSeconds, handlerSeconds      *prometheus.HistogramVec
 	commitSeconds                     *prometheus.HistogramVec
 	batchSize                         *prometheus.HistogramVec
-	batchRunAlone                     *prometheus.CounterVec
+	batchRunAlone, batchDeadlocks     *prometheus.CounterVec
 	forwarded                         *prometheus.CounterVec
 	lag, joined, assigned             *prometheus.GaugeVec
 	held, oldestHeld                  *prometheus.GaugeVec
@@ -79,6 +79,8 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Messages per batch of a batched group.", Buckets: []float64{1, 2, 5, 10, 20, 50, 100, 200, 500}}, tg),
 		batchRunAlone: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "batch_run_alone_total",
 			Help: "Messages a batch could not decide (it rolled back, or a duplicate in it), run one by one."}, tg),
+		batchDeadlocks: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "batch_deadlocks_total",
+			Help: "Batches rolled back because they deadlocked with another transaction: the batch handler locks rows in no fixed order."}, tg),
 		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "outbox_forwarded_total",
 			Help: "Events of the consumer outbox that reached Kafka."}, []string{"topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag",
@@ -106,7 +108,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		retentionLastSuccess: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: Namespace, Name: "retention_last_success_timestamp_seconds",
 			Help: "When a retention pass last succeeded (Unix time)."}),
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.claimSeconds, m.handlerSeconds, m.commitSeconds, m.batchSize, m.batchRunAlone,
+	for _, c := range []prometheus.Collector{m.messages, m.claimSeconds, m.handlerSeconds, m.commitSeconds, m.batchSize, m.batchRunAlone, m.batchDeadlocks,
 		m.forwarded, m.lag, m.joined, m.assigned, m.held, m.oldestHeld, m.claimPartitions, m.oldestClaimAge, m.parkedLetters,
 		m.oldestParkedLetter, m.watchErrors, m.retentionPasses, m.retentionLastSuccess} {
 		if err := reg.Register(c); err != nil {
@@ -148,6 +150,9 @@ func (m *Metrics) Instrument(cfg *pipeline.Config) error {
 		}
 		m.batchSize.WithLabelValues(b.Topic, b.Group).Observe(float64(b.Size))
 		m.batchRunAlone.WithLabelValues(b.Topic, b.Group).Add(float64(b.RunAlone))
+		if b.Deadlock {
+			m.batchDeadlocks.WithLabelValues(b.Topic, b.Group).Inc()
+		}
 	}
 	onForwarded := cfg.OnForwarded
 	cfg.OnForwarded = func(f pipeline.Forwarded) {

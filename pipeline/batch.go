@@ -483,6 +483,7 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 		for _, err := range results {
 			if errors.Is(err, idempotency.ErrRunAlone) {
 				done.RunAlone++
+				done.Deadlock = done.Deadlock || idempotency.IsDeadlock(err)
 			}
 		}
 		b.p.cfg.OnBatch(done)

@@ -69,7 +69,12 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 	entered := make(chan struct{}, 10)
 	r := &recorder{group: uniqueGroup("billing")}
 	g := m.group(r)
-	work := func(ctx context.Context) error {
+	// The handler writes its effect, then works until its attempt ends: a
+	// stop that committed the attempt would leave the effect behind.
+	work := func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group); err != nil {
+			return err
+		}
 		entered <- struct{}{}
 		select {
 		case <-ctx.Done():
@@ -79,9 +84,9 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 		}
 	}
 	if m.batched {
-		g.HandleBatch = func(ctx context.Context, _ pgx.Tx, _ []order.Confirmed) error { return work(ctx) }
+		g.HandleBatch = func(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error { return work(ctx, tx, evs[0]) }
 	} else {
-		g.Handle = func(ctx context.Context, _ pgx.Tx, _ order.Confirmed) error { return work(ctx) }
+		g.Handle = work
 	}
 	stop := run(t, e.config(g))
 	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
@@ -96,6 +101,6 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 		t.Fatalf("stop took %s: it waited for the handler instead of ending its attempt", took.Round(time.Millisecond))
 	}
 	if n := effects(t, e.pool, r.group); n != 0 {
-		t.Fatalf("%d effects of a handler stopped mid-work", n)
+		t.Fatalf("%d effects of a handler stopped mid-work: its attempt committed", n)
 	}
 }

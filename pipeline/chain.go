@@ -176,7 +176,12 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
 				for attempt := 1; ; attempt++ {
-					perr := p.park(msg, g.db, letter)
+					parked, perr := p.park(msg, g.db, delivery(t.name, g.name, msg), letter)
+					if perr == nil && !parked {
+						p.cfg.Logger.Info("dead-lettered before (an offset reset or a re-read partition delivered it again); not sent twice",
+							"topic", t.name, "consumer_group", g.name, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+						return nil, nil
+					}
 					if perr == nil {
 						break
 					}
@@ -206,13 +211,23 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 // park writes a dead letter in a transaction of its own, bounded by the
 // statement timeout and by the partition's revocation: a silent database
 // cannot hold the partition up here either.
-func (p *Pipeline) park(msg *message.Message, db DB, letter dlq.Letter) error {
+func (p *Pipeline) park(msg *message.Message, db DB, d Delivery, letter dlq.Letter) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.StatementTimeout)
 	defer cancel()
 	if owner := ownerOf(msg); owner != nil {
 		defer context.AfterFunc(owner, cancel)()
 	}
-	return p.letters.Park(ctx, db, letter)
+	parked := true
+	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		if _, fromKafka := claimOf(msg); !fromKafka {
+			// Not read from Kafka by the pipeline: no place to know it by.
+			return p.letters.Park(ctx, tx, letter)
+		}
+		var err error
+		parked, err = p.letters.ParkFrom(ctx, tx, dlq.Source{Group: d.Group, Topic: d.Topic, Partition: d.Partition, Offset: d.Offset}, letter)
+		return err
+	})
+	return parked, err
 }
 
 // letter is a message's dead letter, with Watermill's poison-queue headers:
@@ -248,6 +263,13 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 			for attempt := 1; ; attempt++ {
 				out, err := p.attempt(msg, h, owner, attempt)
 				if errors.Is(err, errOutwaited) && !p.stopped(msg) && !isClosed(revoked) {
+					if msg.Context().Err() != nil {
+						// Not the attempt's time but the message's own
+						// context ran out (a team's Timeout in Observe):
+						// every attempt on it would end at once. Give it
+						// back; it comes again with a fresh context.
+						return nil, fmt.Errorf("%w: %w", errMessageContextDone, err)
+					}
 					continue
 				}
 				if err == nil || idempotency.IsPermanent(err) {
@@ -374,6 +396,15 @@ func decodedKey(msg *message.Message) (uuid.UUID, error) {
 		return uuid.Nil, errors.New("pipeline: no decoded event in the message context")
 	}
 	return ev.id, nil
+}
+
+// decodedFingerprint is the fingerprint of a decoded message's event.
+func decodedFingerprint(msg *message.Message) ([32]byte, error) {
+	ev, ok := msg.Context().Value(eventCtxKey{}).(decoded)
+	if !ok {
+		return [32]byte{}, errors.New("pipeline: no decoded event in the message context")
+	}
+	return ev.fingerprint, ev.fingerprintErr
 }
 
 func handleWith(handle func(ctx context.Context, tx pgx.Tx, ev any) error) message.HandlerFunc {

@@ -137,7 +137,10 @@ type BatchDone struct {
 	// Size: messages in the batch; RunAlone: those it could not decide,
 	// now run one by one (all of them when the batch rolled back).
 	Size, RunAlone int
-	Duration       time.Duration
+	// Deadlock: the batch rolled back because it deadlocked with another
+	// transaction (see BatchHandlerFunc on lock order).
+	Deadlock bool
+	Duration time.Duration
 }
 
 // DeadLetter describes a dead-lettered message: the parameters of
@@ -260,7 +263,8 @@ type Pipeline struct {
 	closed    bool
 	producer  sarama.SyncProducer // dead letters and outbox events
 	kafkaPub  outbox.KafkaPublisher
-	batchers  []*batcher // the group commits of batched groups
+	batchers  []*batcher             // the group commits of batched groups
+	subs      map[string]*subscriber // by group name
 	letters   *dlq.Store
 	outbox    *outbox.Outbox
 	dbs       []DB // distinct databases of the groups, in order of appearance
@@ -284,7 +288,7 @@ func New(cfg Config) (*Pipeline, error) {
 		return nil, err
 	}
 	wlog := newWatermillLogger(cfg.Logger)
-	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}),
+	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}), subs: map[string]*subscriber{},
 		tracer: otel.GetTracerProvider().Tracer("github.com/once-dev/once/pipeline")}
 	schemaCfg := cfg.Schema
 	if p.letters, err = dlq.NewStore(dlq.StoreConfig{Schema: schemaCfg.Schema, Table: schemaCfg.DeadLetters}); err != nil {
@@ -415,8 +419,10 @@ func (p *Pipeline) Run(ctx context.Context) error {
 // forward runs the outbox forwarder of one database until ctx ends,
 // restarting it after a failure.
 func (p *Pipeline) forward(ctx context.Context, db DB) {
+	pub := p.kafkaPub
+	pub.Stop = ctx
 	for ctx.Err() == nil {
-		fw, err := p.outbox.Forwarder(db, p.kafkaPub)
+		fw, err := p.outbox.Forwarder(db, pub)
 		if err == nil {
 			err = fw.Run(ctx)
 		}
@@ -465,14 +471,20 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	if g.handleBatch != nil {
 		window = g.batch.Window
 	}
-	sub := newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), window, cfg.Logger)
-	p.closers = append(p.closers, sub.Close)
-	p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, sub: sub})
+	// One subscriber, and so one member of the Kafka group, per group name,
+	// whatever number of topics it reads.
+	sub := p.subs[g.name]
+	if sub == nil {
+		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
+		p.subs[g.name] = sub
+		p.closers = append(p.closers, sub.Close)
+	}
 
 	idem, err := idempotency.New(idempotency.Config{
 		DB:               g.db,
 		ConsumerGroup:    g.name,
 		Key:              decodedKey,
+		Fingerprint:      decodedFingerprint,
 		Schema:           cfg.Schema.Schema,
 		Table:            cfg.Schema.ClaimTable,
 		MaxEventAge:      cfg.MaxEventAge,
@@ -493,11 +505,13 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	}
 
 	var batch *batcher
+	var onSend func(*message.Message)
 	if g.handleBatch != nil {
 		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, g.batch)
-		sub.onSend = batch.announce
+		onSend = batch.announce
 		p.batchers = append(p.batchers, batch)
 	}
+	p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: sub.addTopic(t.name, window, onSend)})
 
 	var chain []message.HandlerMiddleware
 	if batch != nil {

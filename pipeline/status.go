@@ -42,8 +42,8 @@ func (p *Pipeline) Status() []GroupStatus {
 	p.holdsMu.Unlock()
 	out := make([]GroupStatus, 0, len(p.groups))
 	for _, g := range p.groups {
-		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.sub.joined.Load()}
-		if parts := g.sub.assigned.Load(); parts != nil {
+		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load()}
+		if parts := g.feed.assigned.Load(); parts != nil {
 			s.Partitions = slices.Clone(*parts)
 		}
 		for _, since := range held[[2]string{g.topic, g.group}] {
@@ -55,10 +55,10 @@ func (p *Pipeline) Status() []GroupStatus {
 	return out
 }
 
-// groupRef is a consumer group's subscriber, for Status and Lag.
+// groupRef is one topic of a consumer group's subscriber, for Status and Lag.
 type groupRef struct {
 	topic, group string
-	sub          *subscriber
+	feed         *feed
 }
 
 // holdEntry is a message held now (see Pipeline.hold).

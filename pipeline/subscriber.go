@@ -14,11 +14,16 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// subscriber is a Watermill subscriber on a sarama consumer group that keeps
-// up to window messages of each partition in flight, and marks a partition's
-// offset only up to its first message not acknowledged yet: a crash
-// redelivers from there, and whatever was processed after it is skipped by
-// its claim.
+// subscriber is a Watermill subscriber for one consumer group on all the
+// topics the group reads, in one consumer-group session: a group name that
+// two topics share (billing reads orders and their cancellations) is one
+// member of the Kafka group, not two that rebalance each other at every
+// start. Each topic is fed to its own channel (its handler in the router).
+//
+// It keeps up to a topic's window of messages of each partition in flight,
+// and marks a partition's offset only up to its first message not
+// acknowledged yet: a crash redelivers from there, and whatever was
+// processed after it is skipped by its claim.
 //
 // With a window of 1 it behaves as watermill-kafka's subscriber does, one
 // message per partition at a time, which keeps a partition's events in
@@ -33,83 +38,146 @@ type subscriber struct {
 	brokers []string
 	group   string
 	config  *sarama.Config
-	window  int
-	// onSend, if set, is told of every message just before it is handed to
-	// the router, in its partition's order (a batched group's ordering).
-	onSend func(*message.Message)
-	log    *slog.Logger
+	log     *slog.Logger
 
-	// joined: a session has begun since Subscribe; assigned: the current
-	// session's partitions (nil between sessions).
-	joined   atomic.Bool
-	assigned atomic.Pointer[[]int32]
+	// feeds are the topics the group reads, fixed before the first
+	// Subscribe; the session starts once each of them is subscribed.
+	mu    sync.Mutex
+	feeds map[string]*feed
+	fixed bool // every feed is registered: Subscribe of another topic is refused
+	// window of a topic subscribed without being registered (NewSubscriber).
+	window int
+	runCtx context.Context
+	cancel context.CancelFunc
 
 	closing   chan struct{}
 	closeOnce sync.Once
 	running   sync.WaitGroup
 }
 
+// feed is one topic of a group's session.
+type feed struct {
+	topic  string
+	window int
+	// onSend, if set, is told of every message just before it is handed to
+	// the router, in its partition's order (a batched group's ordering).
+	onSend func(*message.Message)
+	out    chan *message.Message
+	// subscribed: its handler asked for it; joined: a session has begun
+	// since; assigned: the current session's partitions of the topic (nil
+	// between sessions).
+	subscribed bool
+	joined     atomic.Bool
+	assigned   atomic.Pointer[[]int32]
+}
+
 // nackResendSleep is how long a message given back unacknowledged waits
 // before it is handed out again (watermill-kafka's default).
 const nackResendSleep = 100 * time.Millisecond
 
-func newSubscriber(brokers []string, group string, config *sarama.Config, window int, log *slog.Logger) *subscriber {
-	return &subscriber{brokers: brokers, group: group, config: config, window: max(window, 1), log: log, closing: make(chan struct{})}
+func newSubscriber(brokers []string, group string, config *sarama.Config, log *slog.Logger) *subscriber {
+	return &subscriber{brokers: brokers, group: group, config: config, log: log, feeds: map[string]*feed{}, closing: make(chan struct{})}
 }
 
-// Subscribe joins the consumer group on topic. The channel closes when ctx
-// ends or the subscriber is closed.
+// addTopic registers a topic of the group before anything is subscribed.
+func (s *subscriber) addTopic(topic string, window int, onSend func(*message.Message)) *feed {
+	f := &feed{topic: topic, window: max(window, 1), onSend: onSend, out: make(chan *message.Message)}
+	s.feeds[topic] = f
+	s.fixed = true
+	return f
+}
+
+// Subscribe returns topic's messages. The group's session begins when every
+// topic registered for it is subscribed (the router subscribes each of its
+// handlers as it starts); a subscriber made for one topic (NewSubscriber)
+// begins at once. Every channel closes when ctx ends or the subscriber is
+// closed.
 func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	select {
 	case <-s.closing:
 		return nil, errors.New("pipeline: subscriber closed")
 	default:
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f := s.feeds[topic]
+	if f == nil {
+		if s.fixed {
+			return nil, fmt.Errorf("pipeline: consumer group %s does not read topic %s", s.group, topic)
+		}
+		f = s.addTopic(topic, s.window, nil)
+	}
+	if f.subscribed {
+		return nil, fmt.Errorf("pipeline: topic %s of consumer group %s is subscribed already", topic, s.group)
+	}
+	f.subscribed = true
+	if s.runCtx == nil {
+		s.runCtx, s.cancel = context.WithCancel(ctx)
+	} else {
+		// Any subscriber's end ends the session: they are one member.
+		context.AfterFunc(ctx, s.cancel)
+	}
+	for _, other := range s.feeds {
+		if !other.subscribed {
+			return f.out, nil
+		}
+	}
 	cg, err := sarama.NewConsumerGroup(s.brokers, s.group, s.config)
 	if err != nil {
+		s.cancel()
 		return nil, fmt.Errorf("kafka consumer group %s on %v: %w", s.group, s.brokers, err)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	out := make(chan *message.Message)
 	s.running.Add(1)
-	go func() {
-		defer s.running.Done()
-		defer close(out)
-		defer cancel()
-		go func() {
-			select {
-			case <-s.closing:
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		errorsDone := make(chan struct{})
-		go func() {
-			defer close(errorsDone)
-			for err := range cg.Errors() {
-				s.log.Warn("kafka consumer group error", "consumer_group", s.group, "topic", topic, "err", err)
-			}
-		}()
-		h := &claimHandler{s: s, ctx: ctx, out: out}
-		for ctx.Err() == nil {
-			// Consume returns at every rebalance; the loop joins again.
-			if err := cg.Consume(ctx, []string{topic}, h); err != nil && ctx.Err() == nil {
-				if errors.Is(err, sarama.ErrClosedConsumerGroup) {
-					break
-				}
-				s.log.Warn("kafka: consuming failed; joining the group again", "consumer_group", s.group, "topic", topic, "err", err)
-				select {
-				case <-ctx.Done():
-				case <-time.After(time.Second):
-				}
-			}
+	go s.consume(s.runCtx, cg)
+	return f.out, nil
+}
+
+// consume runs the group's sessions until ctx ends or the subscriber closes.
+func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
+	defer s.running.Done()
+	topics := make([]string, 0, len(s.feeds))
+	for t := range s.feeds {
+		topics = append(topics, t)
+	}
+	slices.Sort(topics)
+	defer func() {
+		for _, f := range s.feeds {
+			close(f.out)
 		}
-		if err := cg.Close(); err != nil {
-			s.log.Warn("kafka: closing the consumer group", "consumer_group", s.group, "err", err)
-		}
-		<-errorsDone
 	}()
-	return out, nil
+	defer s.cancel()
+	go func() {
+		select {
+		case <-s.closing:
+			s.cancel()
+		case <-ctx.Done():
+		}
+	}()
+	errorsDone := make(chan struct{})
+	go func() {
+		defer close(errorsDone)
+		for err := range cg.Errors() {
+			s.log.Warn("kafka consumer group error", "consumer_group", s.group, "topics", topics, "err", err)
+		}
+	}()
+	h := &claimHandler{s: s, ctx: ctx}
+	for ctx.Err() == nil {
+		// Consume returns at every rebalance; the loop joins again.
+		if err := cg.Consume(ctx, topics, h); err != nil && ctx.Err() == nil {
+			if errors.Is(err, sarama.ErrClosedConsumerGroup) {
+				break
+			}
+			s.log.Warn("kafka: consuming failed; joining the group again", "consumer_group", s.group, "topics", topics, "err", err)
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+	if err := cg.Close(); err != nil {
+		s.log.Warn("kafka: closing the consumer group", "consumer_group", s.group, "err", err)
+	}
+	<-errorsDone
 }
 
 // Close stops every subscription and waits for them to leave the group.
@@ -122,22 +190,23 @@ func (s *subscriber) Close() error {
 type claimHandler struct {
 	s   *subscriber
 	ctx context.Context
-	out chan<- *message.Message
 }
 
 func (h *claimHandler) Setup(sess sarama.ConsumerGroupSession) error {
-	var parts []int32
-	for _, ps := range sess.Claims() {
-		parts = append(parts, ps...)
+	claims := sess.Claims()
+	for topic, f := range h.s.feeds {
+		parts := slices.Clone(claims[topic])
+		slices.Sort(parts)
+		f.assigned.Store(&parts)
+		f.joined.Store(true)
 	}
-	slices.Sort(parts)
-	h.s.assigned.Store(&parts)
-	h.s.joined.Store(true)
 	return nil
 }
 
 func (h *claimHandler) Cleanup(sarama.ConsumerGroupSession) error {
-	h.s.assigned.Store(nil)
+	for _, f := range h.s.feeds {
+		f.assigned.Store(nil)
+	}
 	return nil
 }
 
@@ -146,20 +215,42 @@ func (h *claimHandler) Cleanup(sarama.ConsumerGroupSession) error {
 // acknowledged.
 func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	owner := sess.Context()
+	f := h.s.feeds[claim.Topic()]
+	if f == nil {
+		return fmt.Errorf("pipeline: consumer group %s was given topic %s, which it does not read", h.s.group, claim.Topic())
+	}
 	// In flight, in order. Its capacity and the one the acker waits on make
 	// the window: a message is queued here before it is handed out.
-	inFlight := make(chan *handedOut, h.s.window-1)
+	inFlight := make(chan *handedOut, f.window-1)
 	ackerDone := make(chan struct{})
 	go func() {
 		defer close(ackerDone)
-		h.ack(sess, owner, inFlight)
+		h.ack(sess, owner, f, inFlight)
 	}()
-	defer func() { <-ackerDone }()
+	waitForAcker := true
+	defer func() {
+		if waitForAcker {
+			<-ackerDone
+		}
+	}()
 	messages := claim.Messages()
 	for {
 		select {
 		case km, ok := <-messages:
 			if !ok {
+				if owner.Err() == nil && h.ctx.Err() == nil {
+					// The partition's consumer stopped inside the session:
+					// its offset is out of range (the log was truncated, or
+					// retention passed a message held longer than it). The
+					// session ends once this returns, and the group joins
+					// again from the committed offset. Waiting for the
+					// acker here would wait for the session's end, which
+					// waits for this: the partition would stall until an
+					// unrelated rebalance.
+					h.s.log.Warn("kafka: a partition's consumer stopped inside the session (offset out of range?); rejoining the group",
+						"consumer_group", h.s.group, "topic", claim.Topic(), "partition", claim.Partition())
+					waitForAcker = false
+				}
 				return nil
 			}
 			m := &handedOut{km: km, msg: h.message(km, owner)}
@@ -170,7 +261,7 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 			case <-h.ctx.Done():
 				return nil
 			}
-			if !h.handOut(m.msg, owner) {
+			if !h.handOut(f, m.msg, owner) {
 				return nil
 			}
 		case <-owner.Done():
@@ -192,7 +283,7 @@ type handedOut struct {
 // middleware's timeout) is handed out again, as watermill-kafka does. A
 // message given back behind one still in flight is handed out again when
 // its turn comes.
-func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, inFlight <-chan *handedOut) {
+func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, f *feed, inFlight <-chan *handedOut) {
 	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
 	for {
 		var m *handedOut
@@ -215,7 +306,7 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 					return
 				}
 				m.msg = h.message(m.km, owner)
-				if !h.handOut(m.msg, owner) {
+				if !h.handOut(f, m.msg, owner) {
 					return
 				}
 				continue
@@ -244,12 +335,12 @@ func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context
 
 // handOut gives msg to the router, announced first (a batched group's
 // ordering): the router may run it at once.
-func (h *claimHandler) handOut(msg *message.Message, owner context.Context) bool {
-	if h.s.onSend != nil {
-		h.s.onSend(msg)
+func (h *claimHandler) handOut(f *feed, msg *message.Message, owner context.Context) bool {
+	if f.onSend != nil {
+		f.onSend(msg)
 	}
 	select {
-	case h.out <- msg:
+	case f.out <- msg:
 		return true
 	case <-owner.Done():
 		return false
@@ -307,5 +398,8 @@ func NewSubscriber(brokers []string, group, kafkaVersion string, sec KafkaSecuri
 	if err != nil {
 		return nil, err
 	}
-	return newSubscriber(brokers, group, subscriberSaramaConfig(cfg, version, group), window, cfg.Logger), nil
+	sub := newSubscriber(brokers, group, subscriberSaramaConfig(cfg, version, group), cfg.Logger)
+	sub.window = window
+	sub.fixed = false
+	return sub, nil
 }

@@ -2,6 +2,8 @@ package pipeline
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -42,6 +44,13 @@ type HandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, ev E) error
 // [Group.Handle], or by this function with one event), where the error of
 // the one bad event decides its fate alone: held, or dead-lettered when
 // permanent.
+//
+// Write rows in key order (sort what the batch upserts by its key, or add
+// ORDER BY to an INSERT ... SELECT FROM unnest): two batches at once
+// (Batch.Concurrency, or two instances during a rebalance) that lock shared
+// rows in different orders deadlock, and one of them is rolled back and run
+// event by event (logged as a warning, and counted in BatchDone.Deadlock).
+// The batch's claims are taken in event-id order for the same reason.
 type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) error
 
 // Batch configures a group's group commit: the events of up to Size
@@ -173,6 +182,41 @@ type groupBinding struct {
 type decoded struct {
 	id    uuid.UUID
 	value any
+	// fingerprint is the SHA-256 of the event's values in canonical form,
+	// stored with its claim (see idempotency.Config.Fingerprint).
+	fingerprint    [32]byte
+	fingerprintErr error
+}
+
+// CanonicalEvent is an event type whose JSON encoding is canonical already:
+// equal values always give the same bytes (times in UTC at one precision,
+// decimals at one scale, members in one order). Its CanonicalJSON is the
+// event's fingerprint as it is. Other event types are fingerprinted by
+// their json.Marshal encoding made canonical by idempotency.CanonicalJSON.
+type CanonicalEvent interface {
+	CanonicalJSON() ([]byte, error)
+}
+
+// fingerprintOf is what a claim stores of ev: a re-published event in
+// another byte form (member order, a time zone offset, 12.5 or "12.50")
+// decodes to the same values and so has the same fingerprint, while other
+// values under the same id are a payload mismatch.
+func fingerprintOf(ev any) ([32]byte, error) {
+	if c, ok := ev.(CanonicalEvent); ok {
+		b, err := c.CanonicalJSON()
+		if err != nil {
+			return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+		}
+		return sha256.Sum256(b), nil
+	}
+	b, err := json.Marshal(ev)
+	if err == nil {
+		b, err = idempotency.CanonicalJSON(b)
+	}
+	if err != nil {
+		return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+	}
+	return sha256.Sum256(b), nil
 }
 
 func (t Topic[E]) binding() (topicBinding, error) {
@@ -198,7 +242,9 @@ func (t Topic[E]) binding() (topicBinding, error) {
 		if err != nil {
 			return decoded{}, err
 		}
-		return decoded{id: ev.EventID(), value: ev}, nil
+		d := decoded{id: ev.EventID(), value: ev}
+		d.fingerprint, d.fingerprintErr = fingerprintOf(ev)
+		return d, nil
 	}
 	seen := map[string]bool{}
 	for _, g := range t.Groups {

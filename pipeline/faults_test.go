@@ -1,0 +1,310 @@
+package pipeline_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/service/order"
+)
+
+// logCounter counts log lines that contain a text, on top of a quiet logger.
+type logCounter struct {
+	slog.Handler
+	text string
+	n    *atomic.Int64
+}
+
+func (c logCounter) Handle(ctx context.Context, r slog.Record) error {
+	line := r.Message
+	r.Attrs(func(a slog.Attr) bool {
+		line += " " + a.String()
+		return true
+	})
+	if strings.Contains(line, c.text) {
+		c.n.Add(1)
+	}
+	return c.Handler.Handle(ctx, r)
+}
+
+func (c logCounter) Enabled(context.Context, slog.Level) bool { return true }
+
+func countingLogger(text string) (*slog.Logger, *atomic.Int64) {
+	n := new(atomic.Int64)
+	return slog.New(logCounter{Handler: quietLogger().Handler(), text: text, n: n}), n
+}
+
+// A panic in a batch handler rolls its batch back and the events run on
+// their own, where the same panic holds the one event that causes it: the
+// others are processed and the process lives (review finding: the batcher's
+// goroutine had no recover, and the panic ended the process at every start).
+func TestAPanicInABatchHandlerHoldsItsEventAndNothingElse(t *testing.T) {
+	e := newEnv(t, 1)
+	bad := validEvent(t, "66.60")
+	var panics atomic.Int64
+	var healed atomic.Bool
+	r := &recorder{group: uniqueGroup("batch-panic")}
+	g := pipeline.Group[order.Confirmed]{Name: r.group, Batch: pipeline.Batch{Size: 20, MaxWait: 20 * time.Millisecond},
+		HandleBatch: func(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error {
+			for _, ev := range evs {
+				if ev.EventID() == bad.EventID() && !healed.Load() {
+					panics.Add(1)
+					panic("a bug in the batch handler")
+				}
+			}
+			return r.HandleBatch(ctx, tx, evs)
+		}}
+	cfg := e.config(g)
+	cfg.HoldBackoff, cfg.HoldMaxBackoff = 20*time.Millisecond, 100*time.Millisecond
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+	for i := range 10 {
+		ev := validEvent(t, "1.00")
+		if i == 5 {
+			ev = bad
+		}
+		testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+	}
+	testenv.Eventually(t, 30*time.Second, "the event that panics held", func() bool {
+		for _, s := range p.Status() {
+			if s.Held > 0 {
+				return true
+			}
+		}
+		return false
+	})
+	if panics.Load() < 2 || effects(t, e.pool, r.group) != 5 {
+		t.Fatalf("%d panics, %d effects; want the batch's panic and the event's own, and the 5 events before it processed",
+			panics.Load(), effects(t, e.pool, r.group))
+	}
+	healed.Store(true)
+	testenv.Eventually(t, 30*time.Second, "all ten processed once the bug is gone", func() bool { return effects(t, e.pool, r.group) == 10 })
+}
+
+// A partition whose consumer stops inside the session (its offset out of
+// range: the log was truncated under it) rejoins the group at once instead
+// of stalling until an unrelated rebalance (review finding: ConsumeClaim
+// waited for the acker, which waited for the session, which waited for
+// ConsumeClaim).
+func TestAPartitionWhoseLogWasTruncatedUnderItGoesOn(t *testing.T) {
+	e := newEnv(t, 1)
+	// sarama reports the broker's answer to the fetch: the fault happened.
+	logger, outOfRange := countingLogger("outside the range of offsets")
+	gate := make(chan struct{})
+	var first sync.Once
+	r := &recorder{group: uniqueGroup("truncated"), fail: func(order.Confirmed) error {
+		first.Do(func() { <-gate }) // the consumer's fetches stop while its buffer is full
+		return nil
+	}}
+	cfg := e.config(group(r))
+	cfg.Logger = logger
+	run(t, cfg)
+	// Events of 5 KiB: a fetch takes about 1 MiB, so the consumer's fetch
+	// position stays far behind the end while the first event waits.
+	pad := strings.Repeat("x", 5<<10)
+	var msgs []*sarama.ProducerMessage
+	for range 1500 {
+		b := payload(t, validEvent(t, "1.00"))
+		b = append(b[:len(b)-1], []byte(`,"pad":"`+pad+`"}`)...)
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: e.topic, Key: sarama.StringEncoder("k"), Value: sarama.ByteEncoder(b)})
+	}
+	producer := bigProducer(t, e.brokers)
+	if err := producer.SendMessages(msgs); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "the first event at work", func() bool { return r.runs.Load() == 1 })
+	time.Sleep(2 * time.Second) // the consumer fetches until its buffers are full
+	admin := testenv.Admin(t, e.brokers)
+	if err := admin.DeleteRecords(e.topic, map[int32]int64{0: 1500}); err != nil {
+		t.Fatal(err)
+	}
+	close(gate)
+	testenv.Eventually(t, 30*time.Second, "the consumer's offset out of range", func() bool { return outOfRange.Load() > 0 })
+	after := validEvent(t, "2.00")
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	testenv.Eventually(t, 30*time.Second, "an event published after the truncation processed", func() bool {
+		var n int
+		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM pipeline_test_effect WHERE consumer_group = $1 AND event_id = $2`,
+			r.group, after.EventID()).Scan(&n)
+		return n == 1
+	})
+}
+
+func bigProducer(t *testing.T, brokers []string) sarama.SyncProducer {
+	t.Helper()
+	c := sarama.NewConfig()
+	c.Version = sarama.V4_3_1_0
+	c.Producer.Return.Successes = true
+	p, err := sarama.NewSyncProducer(brokers, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// A group name that two topics share is one member of its Kafka group, in
+// one session for both topics: two members would rebalance each other at
+// every start (review finding).
+func TestAGroupOnTwoTopicsIsOneMember(t *testing.T) {
+	e := newEnv(t, 2)
+	second := testenv.Topic(t, e.brokers, 2)
+	r := &recorder{group: uniqueGroup("two-topics")}
+	cfg := e.config(group(r))
+	cfg.Topics = append(cfg.Topics, pipeline.Topic[order.Confirmed]{Name: second, DLQ: e.dlq, Decode: order.DecodeConfirmed,
+		Groups: []pipeline.Group[order.Confirmed]{group(r)}})
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+	for _, topic := range []string{e.topic, second} {
+		testenv.Publish(t, e.prod, topic, "k", payload(t, validEvent(t, "1.00")))
+	}
+	testenv.Eventually(t, 30*time.Second, "an event of each topic processed", func() bool { return effects(t, e.pool, r.group) == 2 })
+	admin := testenv.Admin(t, e.brokers)
+	groups, err := admin.DescribeConsumerGroups([]string{r.group})
+	if err != nil || len(groups) != 1 {
+		t.Fatalf("describe %s: %v", r.group, err)
+	}
+	if n := len(groups[0].Members); n != 1 {
+		t.Fatalf("consumer group %s has %d members in this one process; want 1", r.group, n)
+	}
+	for _, s := range p.Status() {
+		if len(s.Partitions) != 2 {
+			t.Errorf("%s/%s owns partitions %v; want both of its topic's", s.Topic, s.Group, s.Partitions)
+		}
+	}
+}
+
+// After an offset reset a group reads its poison again: each was
+// dead-lettered once, and is not dead-lettered twice (review finding: the
+// dead-letter topic doubled after a reset to the earliest offsets).
+func TestAnOffsetResetDoesNotDeadLetterTwice(t *testing.T) { eachMode(t, testResetDoesNotDeadLetterTwice) }
+
+func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("reset")}
+	reused := validEvent(t, "3.00")
+	other, err := order.NewConfirmed(reused.EventID(), reused.OccurredAt(), reused.OrderID(), reused.CustomerID(), decimal.RequireFromString("4.00"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var deadLetters atomic.Int64
+	cfg := e.config(m.group(r))
+	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	stop := run(t, cfg)
+	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"not": "an event"}`))
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, reused))
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, other)) // the id reused with other values
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "5.00")))
+	testenv.Eventually(t, 30*time.Second, "two dead letters and two events", func() bool {
+		return deadLetters.Load() == 2 && effects(t, e.pool, r.group) == 2
+	})
+	testenv.Eventually(t, 30*time.Second, "both letters on the dead-letter topic", func() bool { return countMessages(t, e.brokers, e.dlq) == 2 })
+	stop()
+
+	admin := testenv.Admin(t, e.brokers)
+	if err := admin.DeleteConsumerGroupOffset(r.group, e.topic, 0); err != nil {
+		t.Fatal(err)
+	}
+	var seen outcomes
+	cfg.OnResult = seen.record
+	run(t, cfg)
+	testenv.Eventually(t, 30*time.Second, "the partition read again from its start", func() bool {
+		return seen.get(r.group, idempotency.Duplicate) == 2 && seen.get(r.group, idempotency.PayloadMismatch) == 1
+	})
+	time.Sleep(time.Second) // a second letter would be on its way
+	if n := countMessages(t, e.brokers, e.dlq); n != 2 || deadLetters.Load() != 2 {
+		t.Fatalf("after the reset: %d letters on the topic, %d dead-lettered; want 2 and 2", n, deadLetters.Load())
+	}
+}
+
+// A re-published event in another byte form is a duplicate: members in
+// another order, the time in another zone, the amount as a number or a
+// string of another scale. Only other values under the id are a mismatch.
+func TestARepublishedEventInAnotherByteFormIsADuplicate(t *testing.T) { eachMode(t, testRepublishedInAnotherForm) }
+
+// shipment is an event type of a team's own, decoded by encoding/json: its
+// time keeps the offset it came with, and its amount is a decimal.
+type shipment struct {
+	ID      uuid.UUID       `json:"event_id"`
+	At      time.Time       `json:"occurred_at"`
+	Weight  decimal.Decimal `json:"weight_kg"`
+	Parcels []int           `json:"parcels"`
+}
+
+func (s shipment) EventID() uuid.UUID { return s.ID }
+
+func decodeShipment(b []byte) (shipment, error) {
+	var s shipment
+	if err := jsonUnmarshalStrict(b, &s); err != nil {
+		return s, err
+	}
+	if s.ID.Version() != 7 {
+		return s, errors.New("event_id: want a UUIDv7")
+	}
+	return s, nil
+}
+
+func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
+	e := newEnv(t, 1)
+	var runs atomic.Int64
+	group := uniqueGroup("republished")
+	handle := func(ctx context.Context, tx pgx.Tx, evs []shipment) error {
+		for _, ev := range evs {
+			runs.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.ID, group); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	g := pipeline.Group[shipment]{Name: group, Handle: func(ctx context.Context, tx pgx.Tx, ev shipment) error { return handle(ctx, tx, []shipment{ev}) }}
+	if m.batched {
+		g = pipeline.Group[shipment]{Name: group, HandleBatch: handle, Batch: pipeline.Batch{Size: 10}}
+	}
+	var seen outcomes
+	cfg := e.config()
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{g}}}
+	cfg.OnResult = seen.record
+	run(t, cfg)
+	id := uuid.Must(uuid.NewV7())
+	for _, form := range []string{
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","weight_kg":"12.50","parcels":[1,2]}`,
+		`{"parcels":[1,2],"weight_kg":12.5,"occurred_at":"2026-12-02T15:08:21.123456+00:00","event_id":"%s"}`,
+		`{"occurred_at":"2026-12-02T17:08:21.123456+02:00","event_id":"%s","weight_kg":1.25e1,"parcels":[1,2],"extra":"ignored"}`,
+		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","weight_kg":"12.51","parcels":[1,2]}`,
+	} {
+		testenv.Publish(t, e.prod, e.topic, "k", []byte(fmt.Sprintf(form, id)))
+	}
+	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
+		return seen.get(group, idempotency.Processed)+seen.get(group, idempotency.Duplicate)+seen.get(group, idempotency.PayloadMismatch) == 4
+	})
+	if seen.get(group, idempotency.Processed) != 1 || seen.get(group, idempotency.Duplicate) != 2 || seen.get(group, idempotency.PayloadMismatch) != 1 || runs.Load() != 1 {
+		t.Fatalf("processed %d, duplicates %d, mismatches %d, runs %d; want 1, 2, 1, 1", seen.get(group, idempotency.Processed),
+			seen.get(group, idempotency.Duplicate), seen.get(group, idempotency.PayloadMismatch), runs.Load())
+	}
+}
+
+// jsonUnmarshalStrict is encoding/json as the guide's models read: unknown
+// fields ignored, the value one object.
+func jsonUnmarshalStrict(b []byte, v any) error { return json.Unmarshal(b, v) }
