@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
 	"regexp"
 	"slices"
@@ -16,8 +15,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
 )
 
@@ -132,27 +133,63 @@ type Report struct {
 	LockWaits int
 }
 
-// lockKey identifies the maintenance advisory lock of one claim table: the
-// same for every instance, different for every table. The default table
-// keeps the constant of the releases before tables had names, so that old
-// and new instances of a rolling deploy still take turns.
-func lockKey(cfg Config) int64 {
-	if cfg.Schema == "public" && cfg.Table == "processed_event" {
-		return 0x6f6e63655f726574 // "once_ret"
-	}
-	h := fnv.New64a()
-	h.Write([]byte("once_retention:" + cfg.Schema + "." + cfg.Table))
-	return int64(h.Sum64() >> 1)
-}
+// leaseName names the maintenance lease of one claim table: the same for
+// every instance, different for every table.
+func leaseName(cfg Config) string { return "retention:" + cfg.Schema + "." + cfg.Table }
+
+// leaseFor is how long a pass holds the maintenance lease without renewing
+// it: a pass renews it before every step, and an instance that died in a
+// pass leaves it to the others after this.
+const leaseFor = 2 * time.Minute
 
 const (
-	tryLockSQL = `SELECT pg_try_advisory_lock($1)`
-	unlockSQL  = `SELECT pg_advisory_unlock($1)`
+	// A row lease, not an advisory lock: a session-level lock lives on one
+	// server connection, which a transaction pooler (PgBouncer) hands to
+	// other clients between transactions, and its unlock may land on
+	// another one, leaving it held for good. %s: the lease table.
+	acquireLeaseSQL = `INSERT INTO %s AS l (name, holder, until) VALUES ($1, $2, now() + make_interval(secs => $3))
+ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, until = EXCLUDED.until
+WHERE l.until < now() OR l.holder = EXCLUDED.holder
+RETURNING holder`
+	renewLeaseSQL   = `UPDATE %s SET until = now() + make_interval(secs => $3) WHERE name = $1 AND holder = $2`
+	releaseLeaseSQL = `UPDATE %s SET until = now() WHERE name = $1 AND holder = $2`
 	// %s: the default partition's qualified name.
 	defaultHasRowsSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE event_id >= $1 AND event_id < $2)`
 	deleteBatchSQL    = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
 SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 LIMIT $2)`
 )
+
+// errLeaseLost stops a pass whose lease another instance took (it outlived
+// the lease without renewing it): the other instance works now.
+var errLeaseLost = errors.New("retention: the maintenance lease was taken by another instance; this pass stops")
+
+// lease is one pass's hold on a claim table's maintenance.
+type lease struct {
+	db     *pgxpool.Pool
+	table  string // qualified lease table
+	name   string
+	holder uuid.UUID
+}
+
+// renew extends the lease before a step of the pass.
+func (l lease) renew(ctx context.Context) error {
+	return inTx(ctx, l.db, func(tx pgx.Tx) error {
+		tag, err := tx.Exec(ctx, fmt.Sprintf(renewLeaseSQL, l.table), l.name, pgtype.UUID{Bytes: l.holder, Valid: true}, leaseFor.Seconds())
+		if err != nil {
+			return fmt.Errorf("retention: renew the maintenance lease: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			return errLeaseLost
+		}
+		return nil
+	})
+}
+
+// inTx runs f in a transaction of its own: every statement of a pass is
+// in one, whatever connection a pooler gives it.
+func inTx(ctx context.Context, db *pgxpool.Pool, f func(pgx.Tx) error) error {
+	return pgdb.InTx(ctx, db, f)
+}
 
 // names are one claim table's relations.
 type names struct {
@@ -173,28 +210,37 @@ func namesOf(cfg Config) names {
 }
 
 // Run makes one maintenance pass. It is safe to call from many instances at
-// once: only the holder of the advisory lock works, the others report Busy.
+// once: only the holder of the table's maintenance lease works, the others
+// report Busy.
 func Run(ctx context.Context, cfg Config) (Report, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return Report{}, err
 	}
-	conn, err := cfg.DB.Acquire(ctx)
-	if err != nil {
-		return Report{}, fmt.Errorf("retention: acquire connection: %w", err)
+	l := lease{db: cfg.DB, table: pgx.Identifier{cfg.Schema, schema.LeaseTable}.Sanitize(), name: leaseName(cfg), holder: uuid.New()}
+	var got bool
+	if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
+		var holder pgtype.UUID
+		err := tx.QueryRow(ctx, fmt.Sprintf(acquireLeaseSQL, l.table), l.name, pgtype.UUID{Bytes: l.holder, Valid: true}, leaseFor.Seconds()).Scan(&holder)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		got = err == nil
+		return err
+	}); err != nil {
+		return Report{}, fmt.Errorf("retention: take the maintenance lease: %w", err)
 	}
-	defer conn.Release()
-	var locked bool
-	key := lockKey(cfg)
-	if err := conn.QueryRow(ctx, tryLockSQL, key).Scan(&locked); err != nil {
-		return Report{}, fmt.Errorf("retention: advisory lock: %w", err)
-	}
-	if !locked {
+	if !got {
 		return Report{Busy: true}, nil
 	}
 	defer func() {
-		// A session lock outlives a failed statement; release it even when ctx ended.
-		_, _ = conn.Exec(context.WithoutCancel(ctx), unlockSQL, key)
+		// Released even when ctx ended: the next pass need not wait for
+		// the lease to run out.
+		release := context.WithoutCancel(ctx)
+		_ = inTx(release, cfg.DB, func(tx pgx.Tx) error {
+			_, err := tx.Exec(release, fmt.Sprintf(releaseLeaseSQL, l.table), l.name, pgtype.UUID{Bytes: l.holder, Valid: true})
+			return err
+		})
 	}()
 
 	var rep Report
@@ -202,12 +248,12 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	var now time.Time
 	if cfg.Now != nil {
 		now = cfg.Now()
-	} else if err := conn.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+	} else if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error { return tx.QueryRow(ctx, `SELECT now()`).Scan(&now) }); err != nil {
 		return Report{}, fmt.Errorf("retention: read the database's clock: %w", err)
 	}
 	now = now.UTC()
 	cutoff := now.Add(-cfg.Retention)
-	ddl := ddlRunner{conn: conn.Conn(), timeout: cfg.LockTimeout, retries: cfg.LockRetries, log: cfg.Logger, rep: &rep}
+	ddl := ddlRunner{db: cfg.DB, lease: l, timeout: cfg.LockTimeout, retries: cfg.LockRetries, log: cfg.Logger, rep: &rep}
 	// Tomorrow's partition first: a drop that keeps giving way to long
 	// claim transactions must not leave new days in the default partition.
 	if cfg.Mode == Partitioned {
@@ -218,7 +264,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if err := dropExpired(ctx, ddl, n, cutoff, &rep); err != nil {
 		return rep, err
 	}
-	if err := deleteExpired(ctx, conn.Conn(), n, cutoff, cfg.BatchSize, &rep); err != nil {
+	if err := deleteExpired(ctx, ddl, n, cutoff, cfg.BatchSize, &rep); err != nil {
 		return rep, err
 	}
 	if len(rep.Created)+len(rep.Dropped) > 0 || rep.Deleted > 0 {
@@ -253,17 +299,33 @@ func Loop(ctx context.Context, cfg Config, interval time.Duration) {
 // statement waits at most timeout for its lock, and a statement that could
 // not get it is tried again after a backoff.
 type ddlRunner struct {
-	conn    *pgx.Conn
+	db      *pgxpool.Pool
+	lease   lease
 	timeout time.Duration
 	retries int
 	log     *slog.Logger
 	rep     *Report
 }
 
+// plain runs a statement that takes no lock claims wait for, with the
+// lease renewed first.
+func (d ddlRunner) plain(ctx context.Context, stmt string) error {
+	if err := d.lease.renew(ctx); err != nil {
+		return err
+	}
+	return inTx(ctx, d.db, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, stmt)
+		return err
+	})
+}
+
 func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
 	wait := 200 * time.Millisecond
 	for attempt := 0; ; attempt++ {
-		err := pgx.BeginFunc(ctx, d.conn, func(tx pgx.Tx) error {
+		if err := d.lease.renew(ctx); err != nil {
+			return err
+		}
+		err := inTx(ctx, d.db, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", strconv.FormatInt(d.timeout.Milliseconds(), 10)); err != nil {
 				return err
 			}
@@ -291,26 +353,32 @@ func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
 // dailyTables lists the tables of the schema named like the claim table's
 // daily partitions, and whether each is attached: a pass that failed half
 // way may leave one created but not attached, or detached but not dropped.
-func dailyTables(ctx context.Context, conn *pgx.Conn, n names) (map[string]bool, error) {
-	rows, err := conn.Query(ctx, `SELECT c.relname, EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid AND i.inhparent = to_regclass($3))
+func dailyTables(ctx context.Context, db *pgxpool.Pool, n names) (map[string]bool, error) {
+	out := map[string]bool{}
+	err := inTx(ctx, db, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `SELECT c.relname, EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid AND i.inhparent = to_regclass($3))
 FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
 WHERE ns.nspname = $1 AND c.relkind = 'r' AND c.relname LIKE $2`, n.schema, strings.ReplaceAll(n.table, "_", `\_`)+`\_p%`, n.parent)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var name string
+			var attached bool
+			if err := rows.Scan(&name, &attached); err != nil {
+				rows.Close()
+				return err
+			}
+			if n.daily.MatchString(name) {
+				out[name] = attached
+			}
+		}
+		return rows.Err()
+	})
 	if err != nil {
 		return nil, fmt.Errorf("retention: list partitions: %w", err)
 	}
-	out := map[string]bool{}
-	for rows.Next() {
-		var name string
-		var attached bool
-		if err := rows.Scan(&name, &attached); err != nil {
-			rows.Close()
-			return nil, err
-		}
-		if n.daily.MatchString(name) {
-			out[name] = attached
-		}
-	}
-	return out, rows.Err()
+	return out, nil
 }
 
 // dropExpired detaches each daily partition whose whole day is older than the
@@ -321,7 +389,7 @@ WHERE ns.nspname = $1 AND c.relkind = 'r' AND c.relname LIKE $2`, n.schema, stri
 // partition is what holds claims outside daily partitions (and every claim in
 // delete mode).
 func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, rep *Report) error {
-	tables, err := dailyTables(ctx, ddl.conn, n)
+	tables, err := dailyTables(ctx, ddl.db, n)
 	if err != nil {
 		return err
 	}
@@ -340,7 +408,7 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 				return err
 			}
 		}
-		if _, err := ddl.conn.Exec(ctx, "DROP TABLE IF EXISTS "+qualified); err != nil {
+		if err := ddl.plain(ctx, "DROP TABLE IF EXISTS "+qualified); err != nil {
 			return fmt.Errorf("retention: drop %s: %w", name, err)
 		}
 		rep.Dropped = append(rep.Dropped, name)
@@ -353,7 +421,7 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 // as a table of its own first, then attached, which locks the claim table
 // less than CREATE ... PARTITION OF, and for at most the lock timeout.
 func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, daysAhead int, rep *Report) error {
-	tables, err := dailyTables(ctx, ddl.conn, n)
+	tables, err := dailyTables(ctx, ddl.db, n)
 	if err != nil {
 		return err
 	}
@@ -367,7 +435,9 @@ func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, day
 			continue
 		}
 		var occupied bool
-		if err := ddl.conn.QueryRow(ctx, fmt.Sprintf(defaultHasRowsSQL, n.defaultPart), lo, hi).Scan(&occupied); err != nil {
+		if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error {
+			return tx.QueryRow(ctx, fmt.Sprintf(defaultHasRowsSQL, n.defaultPart), lo, hi).Scan(&occupied)
+		}); err != nil {
 			return fmt.Errorf("retention: check default partition for %s: %w", name, err)
 		}
 		if occupied {
@@ -376,7 +446,7 @@ func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, day
 		}
 		qualified := pgx.Identifier{n.schema, name}.Sanitize()
 		if !exists {
-			if _, err := ddl.conn.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+qualified+" (LIKE "+n.parent+" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"); err != nil {
+			if err := ddl.plain(ctx, "CREATE TABLE IF NOT EXISTS "+qualified+" (LIKE "+n.parent+" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"); err != nil {
 				return fmt.Errorf("retention: create %s: %w", name, err)
 			}
 		}
@@ -391,16 +461,23 @@ func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, day
 	return nil
 }
 
-func deleteExpired(ctx context.Context, conn *pgx.Conn, n names, cutoff time.Time, batch int, rep *Report) error {
-	bound := FirstIDAt(cutoff)
+func deleteExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, batch int, rep *Report) error {
+	bound := pgtype.UUID{Bytes: FirstIDAt(cutoff), Valid: true}
 	q := fmt.Sprintf(deleteBatchSQL, n.defaultPart)
 	for {
-		tag, err := conn.Exec(ctx, q, bound, batch)
-		if err != nil {
+		if err := ddl.lease.renew(ctx); err != nil {
+			return err
+		}
+		var deleted int64
+		if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error {
+			tag, err := tx.Exec(ctx, q, bound, batch)
+			deleted = tag.RowsAffected()
+			return err
+		}); err != nil {
 			return fmt.Errorf("retention: delete expired claims: %w", err)
 		}
-		rep.Deleted += tag.RowsAffected()
-		if tag.RowsAffected() < int64(batch) {
+		rep.Deleted += deleted
+		if deleted < int64(batch) {
 			return nil
 		}
 	}
@@ -435,6 +512,11 @@ func PartitionName(day time.Time) string {
 	return "processed_event_p" + day.UTC().Format("20060102")
 }
 
+// ErrRetentionNotRecorded means no retention is recorded for the claim
+// table and this process's role may not record one: the tables' owner must
+// (app migrate does).
+var ErrRetentionNotRecorded = errors.New("retention: no retention recorded")
+
 // ErrRetentionDisagrees means a process was started with another retention
 // than the one recorded for the claim table.
 var ErrRetentionDisagrees = errors.New("retention: the retention differs from the one recorded for this claim table")
@@ -456,15 +538,26 @@ func Agree(ctx context.Context, cfg Config) error {
 	var recorded int64
 	var at time.Time
 	read := func() error {
-		return cfg.DB.QueryRow(ctx, `SELECT retention_seconds, set_at FROM `+policy+` WHERE claim_table = $1`, table).Scan(&recorded, &at)
+		return inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
+			return tx.QueryRow(ctx, `SELECT retention_seconds, set_at FROM `+policy+` WHERE claim_table = $1`, table).Scan(&recorded, &at)
+		})
 	}
 	// Read before writing: a restarted instance must pass this check on a
 	// read-only database (a failover in progress) whenever the policy is
 	// already recorded.
 	err := read()
 	if errors.Is(err, pgx.ErrNoRows) {
-		if _, err := cfg.DB.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-			table, int64(cfg.Retention.Seconds())); err != nil {
+		if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+				table, int64(cfg.Retention.Seconds()))
+			return err
+		}); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+				return fmt.Errorf("%w: no retention is recorded for %s, and this role may not record one (a group's role reads it): "+
+					"record it as the tables' owner first (app migrate --dedup-retention %s, or retention.Agree): %w",
+					ErrRetentionNotRecorded, table, cfg.Retention, err)
+			}
 			return fmt.Errorf("retention: record the retention of %s: %w", table, err)
 		}
 		err = read()
@@ -487,9 +580,12 @@ func SetRetention(ctx context.Context, cfg Config) error {
 		return err
 	}
 	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
-	_, err := cfg.DB.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2)
+	err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2)
 ON CONFLICT (claim_table) DO UPDATE SET retention_seconds = EXCLUDED.retention_seconds, set_at = now()`,
-		cfg.Schema+"."+cfg.Table, int64(cfg.Retention.Seconds()))
+			cfg.Schema+"."+cfg.Table, int64(cfg.Retention.Seconds()))
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("retention: set the retention: %w", err)
 	}

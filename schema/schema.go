@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/crc64"
 	"regexp"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -42,6 +43,10 @@ const (
 	DefaultSchema     = "public"
 	DefaultClaimTable = "processed_event"
 )
+
+// LeaseTable holds leases, one row each, that instances take turns on (the
+// retention pass of a claim table), in the configured schema.
+const LeaseTable = "once_lease"
 
 // identifier is what the library accepts as a schema or table name: plain
 // lower-case SQL identifiers, so that a name needs no quoting anywhere (goose,
@@ -87,17 +92,40 @@ func (c Config) Qualified() string {
 }
 
 // Migrate applies every pending migration of the library to db and returns
-// the versions it applied.
+// the versions it applied, then checks the claim table's shape.
+//
+// It asks first: when nothing is pending it changes nothing and needs no
+// privilege beyond reading the catalog, so that a service running under a
+// least-privilege role starts after its tables' owner migrated. Instances
+// migrating at once take turns on a row lock (goose's table locker), not on
+// a session-level advisory lock, which a transaction pooler would strand on
+// a server connection.
 func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	// IF NOT EXISTS is not safe against a concurrent creator: instances
-	// starting together take turns on a lock first.
+	sqlDB := stdlib.OpenDBFromPool(db)
+	defer sqlDB.Close()
+	ms, err := migrations(cfg)
+	if err != nil {
+		return nil, err
+	}
 	lockID := int64(crc64.Checksum([]byte("once.schema."+cfg.Schema), crc64.MakeTable(crc64.ECMA)) >> 1)
+	versions := cfg.Schema + ".once_schema_version"
+	if pending, err := pendingMigrations(ctx, sqlDB, versions, ms); err != nil {
+		return nil, err
+	} else if !pending {
+		return nil, Check(ctx, db, cfg)
+	}
+	// IF NOT EXISTS is not safe against a concurrent creator: instances
+	// starting together take turns on a transaction's lock first.
 	if err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockID); err != nil {
+			return err
+		}
+		var exists bool
+		if err := tx.QueryRow(ctx, "SELECT to_regnamespace($1) IS NOT NULL", cfg.Schema).Scan(&exists); err != nil || exists {
 			return err
 		}
 		_, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize())
@@ -105,22 +133,14 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 	}); err != nil {
 		return nil, fmt.Errorf("schema: create schema %s: %w", cfg.Schema, err)
 	}
-	sqlDB := stdlib.OpenDBFromPool(db)
-	defer sqlDB.Close()
-
-	// A lock of its own, per schema: the reference service's migrations use
-	// goose's default lock, and two schemas may migrate at once.
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
+	locker, err := lock.NewPostgresTableLocker(lock.WithTableName(cfg.Schema+".once_migration_lock"), lock.WithTableLockID(lockID),
+		lock.WithTableLockTimeout(500*time.Millisecond, 1200))
 	if err != nil {
-		return nil, fmt.Errorf("schema: session locker: %w", err)
-	}
-	ms, err := migrations(cfg)
-	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("schema: migration locker: %w", err)
 	}
 	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, nil,
-		goose.WithSessionLocker(locker),
-		goose.WithTableName(cfg.Schema+".once_schema_version"),
+		goose.WithLocker(locker),
+		goose.WithTableName(versions),
 		goose.WithDisableGlobalRegistry(true),
 		goose.WithGoMigrations(ms...))
 	if err != nil {
@@ -138,6 +158,42 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 		applied = append(applied, r.Source.Version)
 	}
 	return applied, nil
+}
+
+// pendingMigrations reports whether any of ms is not recorded in the
+// version table; a missing table means all are.
+func pendingMigrations(ctx context.Context, db *sql.DB, versions string, ms []*goose.Migration) (bool, error) {
+	var exists bool
+	if err := db.QueryRowContext(ctx, "SELECT to_regclass($1) IS NOT NULL", versions).Scan(&exists); err != nil {
+		return false, fmt.Errorf("schema: look for %s: %w", versions, err)
+	}
+	if !exists {
+		return true, nil
+	}
+	// goose records every up and down: a version's latest row says.
+	rows, err := db.QueryContext(ctx, "SELECT version_id FROM (SELECT DISTINCT ON (version_id) version_id, is_applied FROM "+versions+
+		" ORDER BY version_id, id DESC) latest WHERE is_applied")
+	if err != nil {
+		return false, fmt.Errorf("schema: read %s: %w", versions, err)
+	}
+	defer rows.Close()
+	applied := map[int64]bool{}
+	for rows.Next() {
+		var v int64
+		if err := rows.Scan(&v); err != nil {
+			return false, err
+		}
+		applied[v] = true
+	}
+	if err := rows.Err(); err != nil {
+		return false, err
+	}
+	for _, m := range ms {
+		if !applied[m.Version] {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // migrations are Go migrations because their DDL carries the configured
@@ -180,6 +236,17 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
     claim_table       text        PRIMARY KEY,
     retention_seconds bigint      NOT NULL,
     set_at            timestamptz NOT NULL DEFAULT now()
+)`),
+		// 5: the messages dead-lettered, so that an offset reset does not
+		// dead-letter them again (dlq.Store.ParkFrom).
+		up(5, letters.SourcesDDL()),
+		// 6: leases instances take turns on (package retention): a row,
+		// where a session-level advisory lock would not survive a
+		// transaction pooler.
+		up(6, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{cfg.Schema, LeaseTable}.Sanitize()+` (
+    name   text        PRIMARY KEY,
+    holder uuid        NOT NULL,
+    until  timestamptz NOT NULL
 )`),
 	}, nil
 }

@@ -1,0 +1,91 @@
+// Package pgdb holds what every statement of the library needs to work
+// where teams deploy PostgreSQL: directly, or behind a transaction pooler
+// (PgBouncer in transaction mode, RDS Proxy, Supavisor, Neon's and Cloud
+// SQL's poolers), in each of pgx's query exec modes.
+//
+// Behind such a pooler a server connection belongs to a client for one
+// transaction only. A session setting, a session-level advisory lock or a
+// named prepared statement stays behind on a connection the pooler then
+// gives to someone else, and a statement sent in two round trips may reach
+// two server connections. So the library sets what it needs per
+// transaction (set_config(..., true)), takes turns through rows instead of
+// advisory locks, and refuses at start-up the two exec modes that cannot
+// work there ([CheckPooler]).
+package pgdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Beginner begins transactions: a *pgxpool.Pool, a *pgx.Conn, a pgx.Tx
+// (a savepoint).
+type Beginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// InTx runs f in a transaction of its own, committed when f returns nil.
+func InTx(ctx context.Context, db Beginner, f func(pgx.Tx) error) error {
+	return pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, f)
+}
+
+// ErrModeBehindPooler is the start-up refusal of a pgx query exec mode that
+// cannot work behind a transaction pooler.
+var ErrModeBehindPooler = errors.New("pgdb: a pgx query exec mode that cannot work behind a connection pooler")
+
+// Pooled reports whether pool reaches PostgreSQL through a connection
+// pooler: the process that answers (pg_backend_pid) is not the one the
+// connection was told of when it connected (the backend key data, which a
+// pooler makes up for its clients).
+func Pooled(ctx context.Context, pool *pgxpool.Pool) (bool, error) {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer c.Release()
+	var pid uint32
+	if err := InTx(ctx, c, func(tx pgx.Tx) error { return tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid) }); err != nil {
+		return false, fmt.Errorf("pgdb: ask the server for its process: %w", err)
+	}
+	return pid != c.Conn().PgConn().PID(), nil
+}
+
+// CheckPooler refuses, behind a connection pooler, the two pgx query exec
+// modes that cannot work there; setting names the URL's setting in the
+// error. The others (exec, simple_protocol, cache_describe) send each
+// statement in one round trip that names no prepared statement.
+//
+//   - cache_statement, pgx's default, prepares named statements on one
+//     server connection and runs them later on whichever the pooler hands
+//     out, where they do not exist (26000): every message would be held.
+//     A URL that names it on purpose is let through (a pooler that keeps
+//     prepared statements per client: PgBouncer 1.21+ with
+//     max_prepared_statements, or session pooling).
+//   - describe_exec describes a statement in one round trip and runs it in
+//     a second, which may reach another server connection, whose unnamed
+//     statement is another client's: an error (26000, 22P03, 08P01), or
+//     another statement run with these parameters.
+func CheckPooler(ctx context.Context, pool *pgxpool.Pool, setting string) error {
+	cfg := pool.Config().ConnConfig
+	mode := cfg.DefaultQueryExecMode
+	explicit := strings.Contains(cfg.ConnString(), "default_query_exec_mode")
+	if !(mode == pgx.QueryExecModeCacheStatement && !explicit) && mode != pgx.QueryExecModeDescribeExec {
+		return nil
+	}
+	pooled, err := Pooled(ctx, pool)
+	if err != nil || !pooled {
+		return err
+	}
+	why := "keeps named prepared statements on server connections that the pooler hands to other clients"
+	if mode == pgx.QueryExecModeDescribeExec {
+		why = "describes a statement in one round trip and runs it in another, which the pooler may send to another server connection"
+	}
+	return fmt.Errorf("%w: %s reaches PostgreSQL through a connection pooler (the server process that answers is not the one "+
+		"the connection was given), and pgx's query exec mode %s %s: set default_query_exec_mode=exec in %s (or simple_protocol, "+
+		"or cache_describe)", ErrModeBehindPooler, setting, mode, why, setting)
+}
