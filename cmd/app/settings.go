@@ -7,13 +7,13 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/service/migrations"
 )
@@ -174,11 +174,9 @@ func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if d.ConnectTimeout > 0 {
 		cfg.ConnConfig.ConnectTimeout = d.ConnectTimeout
 	}
-	if d.StatementTimeout > 0 {
-		if _, set := cfg.ConnConfig.RuntimeParams["statement_timeout"]; !set {
-			cfg.ConnConfig.RuntimeParams["statement_timeout"] = strconv.FormatInt(d.StatementTimeout.Milliseconds(), 10)
-		}
-	}
+	// No statement_timeout in the start-up packet: a transaction pooler
+	// refuses it (or would apply it to whichever client gets the server
+	// connection next). The claim sets it for its own transaction.
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("DATABASE_URL: %w", err)
@@ -186,6 +184,10 @@ func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
 		return nil, fmt.Errorf("DATABASE_URL: cannot reach PostgreSQL at %s:%d: %w", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+	}
+	if err := pgdb.CheckPooler(ctx, pool, "DATABASE_URL"); err != nil {
+		pool.Close()
+		return nil, err
 	}
 	return pool, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"embed"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -26,13 +27,20 @@ func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 
-	locker, err := lock.NewPostgresSessionLocker()
+	// A row lock, not a session-level advisory lock: behind a transaction
+	// pooler the session's lock would stay on a server connection.
+	locker, err := lock.NewPostgresTableLocker(lock.WithTableLockTimeout(500*time.Millisecond, 1200))
 	if err != nil {
-		return nil, fmt.Errorf("migrations: session locker: %w", err)
+		return nil, fmt.Errorf("migrations: locker: %w", err)
 	}
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, files, goose.WithSessionLocker(locker))
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, files, goose.WithLocker(locker))
 	if err != nil {
 		return nil, fmt.Errorf("migrations: %w", err)
+	}
+	// Asked first, without the lock: a service under a least-privilege
+	// role starts once the owner migrated, and creates nothing.
+	if pending, err := provider.HasPending(ctx); err == nil && !pending {
+		return nil, nil
 	}
 	results, err := provider.Up(ctx)
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,6 +55,20 @@ func TestEachGroupsRoleWritesOnlyItsOwnTables(t *testing.T) {
 		if _, err := probe.pool.Exec(ctx, probe.sql); !denied(err) {
 			t.Errorf("%s: %s: %v; want permission denied (42501)", probe.role, probe.sql, err)
 		}
+	}
+
+	// A table made after the roles (a later migration) is its group's to
+	// write, through the default privileges, and still not the other's.
+	later := "analytics.later_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := admin.Exec(ctx, `CREATE TABLE `+later+` (n int)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP TABLE `+later) })
+	if _, err := analyticsPool.Exec(ctx, `INSERT INTO `+later+` VALUES (1)`); err != nil {
+		t.Errorf("once_analytics on a table made after the grants: %v; want it writable", err)
+	}
+	if _, err := billingPool.Exec(ctx, `SELECT count(*) FROM `+later); !denied(err) {
+		t.Errorf("once_billing on analytics' later table: %v; want permission denied", err)
 	}
 
 	// The analytics group itself, every statement under its role.

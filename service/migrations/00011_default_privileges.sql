@@ -1,0 +1,45 @@
+-- The group roles of 00010 on what was made after it, and on what later
+-- migrations make: the library's table of dead-lettered sources (schema
+-- migration 5, which a group writes with each dead letter), and default
+-- privileges, so that a table a later migration adds to a group's schema,
+-- or to the library's in public, is the group's to write without a grant
+-- of its own. Default privileges cover what the migrating role creates, as
+-- every migration and retention's daily partitions are.
+
+-- +goose Up
+-- +goose StatementBegin
+DO $$
+DECLARE
+    grp text;
+BEGIN
+    FOREACH grp IN ARRAY ARRAY['analytics', 'billing'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'once_' || grp) THEN
+            RAISE NOTICE 'role once_% does not exist: a DBA must create it, then run: app migrate again', grp;
+            CONTINUE;
+        END IF;
+        EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON public.once_dead_letter_sources TO %I', 'once_' || grp);
+        EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA %I GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO %I', grp, 'once_' || grp);
+        EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA %I GRANT USAGE ON SEQUENCES TO %I', grp, 'once_' || grp);
+        EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO %I', 'once_' || grp);
+        EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT USAGE ON SEQUENCES TO %I', 'once_' || grp);
+    END LOOP;
+END $$;
+-- +goose StatementEnd
+
+-- +goose Down
+-- +goose StatementBegin
+DO $$
+DECLARE
+    grp text;
+BEGIN
+    FOREACH grp IN ARRAY ARRAY['analytics', 'billing'] LOOP
+        IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'once_' || grp) THEN
+            EXECUTE format('REVOKE ALL ON public.once_dead_letter_sources FROM %I', 'once_' || grp);
+            EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA %I REVOKE ALL ON TABLES FROM %I', grp, 'once_' || grp);
+            EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA %I REVOKE ALL ON SEQUENCES FROM %I', grp, 'once_' || grp);
+            EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA public REVOKE ALL ON TABLES FROM %I', 'once_' || grp);
+            EXECUTE format('ALTER DEFAULT PRIVILEGES IN SCHEMA public REVOKE ALL ON SEQUENCES FROM %I', 'once_' || grp);
+        END IF;
+    END LOOP;
+END $$;
+-- +goose StatementEnd
