@@ -38,14 +38,23 @@ start_services() {
 	if [[ -z ${DATABASE_URL:-} ]]; then
 		_own postgres
 		DATABASE_URL=$("$ONCE_ROOT/dev/postgres.sh" start) || return 1
+		# PgBouncer in transaction pooling in front of it, for the tests
+		# that run every statement behind a pooler. With a DATABASE_URL of
+		# your own, set ONCE_PGBOUNCER_URL to a pooler in front of it.
+		if [[ -z ${ONCE_PGBOUNCER_URL:-} ]]; then
+			_own pgbouncer
+			ONCE_PGBOUNCER_URL=$("$ONCE_ROOT/dev/pgbouncer.sh" start) || return 1
+		fi
 	fi
 	export KAFKA_BROKERS DATABASE_URL
-	echo "using KAFKA_BROKERS=$KAFKA_BROKERS DATABASE_URL=$DATABASE_URL" >&2
+	[[ -n ${ONCE_PGBOUNCER_URL:-} ]] && export ONCE_PGBOUNCER_URL
+	echo "using KAFKA_BROKERS=$KAFKA_BROKERS DATABASE_URL=$DATABASE_URL ONCE_PGBOUNCER_URL=${ONCE_PGBOUNCER_URL:-}" >&2
 }
 
 stop_services() {
 	local s
-	for s in $ONCE_STARTED; do
+	# The pooler before the database it pools.
+	for s in $(tr ' ' '\n' <<<"$ONCE_STARTED" | tac); do
 		"$ONCE_ROOT/dev/$s.sh" stop || true
 		rm -f "$ONCE_DEV/$s.owner"
 	done

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -284,7 +283,7 @@ func TestDatabaseCrash(t *testing.T) {
 		t.Fatalf("the server's synchronous_commit is %q: the fault is not staged", lax)
 	}
 	// The simulator stands in for a provider's own, durable, systems.
-	s.providerEnv = []string{"DATABASE_URL=" + withParam(os.Getenv("DATABASE_URL"), "synchronous_commit", "on")}
+	s.providerEnv = []string{"DATABASE_URL=" + testenv.WithParam(os.Getenv("DATABASE_URL"), "synchronous_commit", "on")}
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
 	done := s.publishInBackground(scale(600), window(8*time.Second))
@@ -541,17 +540,4 @@ func (s *scenario) placeOrder(orders *proc, amount decimal.Decimal) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-}
-
-// withParam adds a query parameter to a database URL; pgx sends unknown ones
-// to the server as run-time settings.
-func withParam(databaseURL, key, value string) string {
-	u, err := url.Parse(databaseURL)
-	if err != nil {
-		return databaseURL
-	}
-	q := u.Query()
-	q.Set(key, value)
-	u.RawQuery = q.Encode()
-	return u.String()
 }

@@ -49,7 +49,10 @@ func Pooled(ctx context.Context, pool *pgxpool.Pool) (bool, error) {
 	}
 	defer c.Release()
 	var pid uint32
-	if err := InTx(ctx, c, func(tx pgx.Tx) error { return tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid) }); err != nil {
+	// The simple protocol: the probe must work in any mode behind any pooler.
+	if err := InTx(ctx, c, func(tx pgx.Tx) error {
+		return tx.QueryRow(ctx, "SELECT pg_backend_pid()", pgx.QueryExecModeSimpleProtocol).Scan(&pid)
+	}); err != nil {
 		return false, fmt.Errorf("pgdb: ask the server for its process: %w", err)
 	}
 	return pid != c.Conn().PgConn().PID(), nil
@@ -81,11 +84,13 @@ func CheckPooler(ctx context.Context, pool *pgxpool.Pool, setting string) error 
 	if err != nil || !pooled {
 		return err
 	}
-	why := "keeps named prepared statements on server connections that the pooler hands to other clients"
+	why := "cache_statement (pgx's default) keeps named prepared statements on server connections that the pooler hands to other clients"
+	alternatively := "; a pooler that keeps prepared statements per client (PgBouncer 1.21+ with max_prepared_statements, session pooling) may name default_query_exec_mode=cache_statement on purpose"
 	if mode == pgx.QueryExecModeDescribeExec {
-		why = "describes a statement in one round trip and runs it in another, which the pooler may send to another server connection"
+		why = "describe_exec describes a statement in one round trip and runs it in another, which the pooler may send to another server connection"
+		alternatively = ""
 	}
 	return fmt.Errorf("%w: %s reaches PostgreSQL through a connection pooler (the server process that answers is not the one "+
-		"the connection was given), and pgx's query exec mode %s %s: set default_query_exec_mode=exec in %s (or simple_protocol, "+
-		"or cache_describe)", ErrModeBehindPooler, setting, mode, why, setting)
+		"the connection was given), and pgx's query exec mode %s: set default_query_exec_mode=exec in %s (or simple_protocol, "+
+		"or cache_describe)%s", ErrModeBehindPooler, setting, why, setting, alternatively)
 }

@@ -3,14 +3,18 @@ package main
 import (
 	"bytes"
 	"context"
+	neturl "net/url"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/schema"
 	"github.com/once-dev/once/service/migrations"
 )
 
@@ -23,13 +27,19 @@ func runApp(t *testing.T, args ...string) (string, error) {
 
 // inbox status shows a claim with its group and hash; forget removes that
 // group's claim only, and forgetting it again is an error.
+// Directly and behind PgBouncer in transaction pooling.
 func TestInboxStatusAndForget(t *testing.T) {
+	for _, w := range []testenv.Where{{Pooled: false, Mode: pgx.QueryExecModeCacheStatement}, {Pooled: true, Mode: pgx.QueryExecModeExec}} {
+		t.Run(w.String(), func(t *testing.T) { testInboxStatusAndForget(t, w.URL(t)) })
+	}
+}
+
+func testInboxStatusAndForget(t *testing.T, url string) {
 	ctx := context.Background()
 	pool := testenv.Postgres(t)
 	if _, err := migrations.Up(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
-	url := pool.Config().ConnString()
 	id := uuid.Must(uuid.NewV7())
 	suffix := "_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
 	for _, g := range []string{"analytics" + suffix, "billing" + suffix} {
@@ -55,6 +65,50 @@ func TestInboxStatusAndForget(t *testing.T) {
 	}
 	if out, err := runApp(t, "inbox", "forget", id.String(), "--group", "analytics"+suffix, "--database-url", url); err == nil {
 		t.Fatalf("forgetting a claim that is gone succeeded:\n%s", out)
+	}
+}
+
+// A group with a database of its own (--group-database, as serve takes it)
+// has its claims there: status lists them beside the main database's, and
+// forget deletes the group's claim in its own database.
+func TestInboxWithAGroupsOwnDatabase(t *testing.T) {
+	ctx := context.Background()
+	main := testenv.Postgres(t)
+	other := testenv.OtherPostgres(t, "once_inbox_other")
+	if _, err := schema.Migrate(ctx, other, schema.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	id := uuid.Must(uuid.NewV7())
+	suffix := "_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	for _, c := range []struct {
+		db    *pgxpool.Pool
+		group string
+	}{{main, "billing" + suffix}, {other, "analytics" + suffix}} {
+		if _, err := c.db.Exec(ctx, `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, '\xabcd')`, id, c.group); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = main.Exec(context.Background(), `DELETE FROM processed_event WHERE event_id = $1`, id)
+		_, _ = other.Exec(context.Background(), `DELETE FROM processed_event WHERE event_id = $1`, id)
+	})
+	url := main.Config().ConnString()
+	otherURL, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherURL.Path = "/once_inbox_other" // the pool's ConnString is the main database's
+	groupDB := "--group-database=analytics=" + otherURL.String()
+	out, err := runApp(t, "inbox", "status", id.String(), "--database-url", url, groupDB)
+	if err != nil || !strings.Contains(out, "analytics"+suffix) || !strings.Contains(out, "billing"+suffix) {
+		t.Fatalf("status over both databases: %v\n%s", err, out)
+	}
+	if out, err := runApp(t, "inbox", "forget", id.String(), "--group", "analytics"+suffix, "--database-url", url, groupDB); err != nil {
+		t.Fatalf("forget in the group's own database: %v\n%s", err, out)
+	}
+	var n int
+	if err := other.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE event_id = $1`, id).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("%d claims left in the group's database (%v); want 0", n, err)
 	}
 }
 

@@ -5,6 +5,8 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -19,9 +21,41 @@ type inboxCmd struct {
 }
 
 type inboxStatusCmd struct {
-	DB      dbSettings `embed:""`
-	EventID string     `arg:"" name:"event-id" help:"The event's id (a UUIDv7)."`
-	Group   string     `name:"group" help:"Only this consumer group (its full name, suffix included)."`
+	DB             dbSettings        `embed:""`
+	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them: their claims are there, and are listed too."`
+	EventID        string            `arg:"" name:"event-id" help:"The event's id (a UUIDv7)."`
+	Group          string            `name:"group" help:"Only this consumer group (its full name, suffix included)."`
+}
+
+// groupDatabase is the URL of group's own database (its name, or its name
+// with the suffix serve was given), or "" for the main one.
+func groupDatabase(urls map[string]string, group string) string {
+	for name, url := range urls {
+		if group == name || strings.HasPrefix(group, name) {
+			return url
+		}
+	}
+	return ""
+}
+
+// claimDatabases are the databases an event's claims may be in: the main one
+// first, then each group's own, each once.
+func claimDatabases(main dbSettings, urls map[string]string, group string) []dbSettings {
+	if group != "" {
+		if url := groupDatabase(urls, group); url != "" {
+			return []dbSettings{main.forGroup(url)}
+		}
+		return []dbSettings{main}
+	}
+	out := []dbSettings{main}
+	seen := map[string]bool{main.DatabaseURL: true}
+	for _, name := range slices.Sorted(maps.Keys(urls)) {
+		if url := urls[name]; !seen[url] {
+			seen[url] = true
+			out = append(out, main.forGroup(url))
+		}
+	}
+	return out
 }
 
 func parseEventID(s string) (uuid.UUID, error) {
@@ -42,27 +76,31 @@ func (c *inboxStatusCmd) Validate() error {
 
 func (c *inboxStatusCmd) Run(ctx context.Context, d deps) error {
 	id, _ := parseEventID(c.EventID)
-	pool, err := c.DB.connect(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	rows, err := pool.Query(ctx, `SELECT consumer_group, processed_at, payload_sha256 FROM processed_event
-WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group`, id, c.Group)
-	if err != nil {
-		return fmt.Errorf("DATABASE_URL: %w", err)
-	}
 	type claim struct {
 		group string
 		at    time.Time
 		sum   []byte
 	}
-	claims, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (claim, error) {
-		var cl claim
-		return cl, r.Scan(&cl.group, &cl.at, &cl.sum)
-	})
-	if err != nil {
-		return fmt.Errorf("DATABASE_URL: %w", err)
+	var claims []claim
+	for _, db := range claimDatabases(c.DB, c.GroupDatabases, c.Group) {
+		pool, err := db.connect(ctx)
+		if err != nil {
+			return err
+		}
+		rows, err := pool.Query(ctx, `SELECT consumer_group, processed_at, payload_sha256 FROM processed_event
+WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group`, id, c.Group)
+		if err == nil {
+			var found []claim
+			found, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (claim, error) {
+				var cl claim
+				return cl, r.Scan(&cl.group, &cl.at, &cl.sum)
+			})
+			claims = append(claims, found...)
+		}
+		pool.Close()
+		if err != nil {
+			return fmt.Errorf("%s: %w", db.setting(), err)
+		}
 	}
 	sec, nsec := id.Time().UnixTime()
 	fmt.Fprintf(d.stdout, "event %s (from %s)\n", id, time.Unix(sec, nsec).UTC().Format(time.RFC3339))
@@ -83,7 +121,8 @@ WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group
 }
 
 type inboxForgetCmd struct {
-	DB      dbSettings `embed:""`
+	DB             dbSettings        `embed:""`
+	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them: a group's claim is forgotten in its own."`
 	EventID string     `arg:"" name:"event-id" help:"The event's id (a UUIDv7)."`
 	Group   string     `name:"group" required:"" help:"The consumer group whose claim goes (its full name, suffix included)."`
 	Force   bool       `name:"force" help:"Also for a billing group: its effect is money, and a replay after forgetting charges again unless the provider still knows the idempotency key."`
@@ -101,7 +140,8 @@ func (c *inboxForgetCmd) Validate() error {
 
 func (c *inboxForgetCmd) Run(ctx context.Context, d deps) error {
 	id, _ := parseEventID(c.EventID)
-	pool, err := c.DB.connect(ctx)
+	db := claimDatabases(c.DB, c.GroupDatabases, c.Group)[0]
+	pool, err := db.connect(ctx)
 	if err != nil {
 		return err
 	}
@@ -109,10 +149,10 @@ func (c *inboxForgetCmd) Run(ctx context.Context, d deps) error {
 	var sum []byte
 	err = pool.QueryRow(ctx, `DELETE FROM processed_event WHERE event_id = $1 AND consumer_group = $2 RETURNING payload_sha256`, id, c.Group).Scan(&sum)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("event %s has no claim by group %s (app inbox status %s lists its claims)", id, c.Group, id)
+		return fmt.Errorf("event %s has no claim by group %s in %s (app inbox status %s lists its claims)", id, c.Group, db.setting(), id)
 	}
 	if err != nil {
-		return fmt.Errorf("DATABASE_URL: %w", err)
+		return fmt.Errorf("%s: %w", db.setting(), err)
 	}
 	d.log.Warn("FORGOT A CLAIM: the next delivery of this event will be processed again by its group",
 		"event_id", id, "consumer_group", c.Group, "payload_sha256", hex.EncodeToString(sum), "forced", c.Force)

@@ -99,7 +99,7 @@ var handlers = map[string]func(groupDeps, *topics) error{
 			return err
 		}
 		h := billing.Handler{Payments: client, Currency: d.s.BillingCurrency, DB: d.intents, Outbox: box, Topic: d.s.Kafka.payments(),
-			Horizon: d.s.Retention.Retention - d.s.MaxClockSkew}
+			Horizon: d.s.billingHorizon()}
 		if err := h.Validate(); err != nil {
 			return fmt.Errorf("--billing-currency (BILLING_CURRENCY): %w", err)
 		}
@@ -107,6 +107,18 @@ var handlers = map[string]func(groupDeps, *topics) error{
 		t.cancelled.Groups = append(t.cancelled.Groups, pipeline.Group[order.Cancelled]{Name: d.name, Handle: h.OnCancelled, DB: d.db, TooOld: d.s.tooOld("billing")})
 		return nil
 	},
+}
+
+// billingHorizon is the age past which billing's confirmations are never
+// processed again, or 0 when they always are (--too-old billing=process):
+// then a confirmation past the horizon still settles its charge, and its
+// cancellation waits for it instead of being dead-lettered as one whose
+// charge will never be recorded.
+func (s *serveCmd) billingHorizon() time.Duration {
+	if s.tooOld("billing") == idempotency.ProcessTooOld {
+		return 0
+	}
+	return s.Retention.Retention - s.MaxClockSkew
 }
 
 func (s *serveCmd) tooOld(group string) idempotency.TooOldPolicy {

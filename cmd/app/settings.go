@@ -144,6 +144,28 @@ type dbSettings struct {
 	MaxConns         int32         `name:"db-max-conns" env:"ONCE_DB_MAX_CONNS" default:"20" help:"Connections in the pool."`
 	ConnectTimeout   time.Duration `name:"db-connect-timeout" env:"ONCE_DB_CONNECT_TIMEOUT" default:"5s" help:"Bound on opening a connection to PostgreSQL."`
 	StatementTimeout time.Duration `name:"db-statement-timeout" env:"ONCE_DB_STATEMENT_TIMEOUT" default:"30s" help:"Bound on one statement: enforced by the server (statement_timeout) and, for the claim's own statements, by the client, so that a database that went silent cannot hold a message."`
+
+	// label names the setting this URL came from in errors, when it is not
+	// DATABASE_URL.
+	label string
+}
+
+// setting names where the URL came from, without its password.
+func (d dbSettings) setting() string {
+	if d.label != "" {
+		return d.label
+	}
+	return "DATABASE_URL"
+}
+
+// forGroup is d on a group's own database URL.
+func (d dbSettings) forGroup(url string) dbSettings {
+	d.DatabaseURL = url
+	d.label = "--group-database"
+	if cfg, err := pgxpool.ParseConfig(url); err == nil {
+		d.label = fmt.Sprintf("--group-database (%s:%d/%s)", cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database)
+	}
+	return d
 }
 
 func (d *dbSettings) Validate() error {
@@ -168,7 +190,7 @@ func (d *dbSettings) Validate() error {
 func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(d.DatabaseURL)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, fmt.Errorf("%s: %w", d.setting(), err)
 	}
 	cfg.MaxConns = d.MaxConns
 	if d.ConnectTimeout > 0 {
@@ -179,13 +201,13 @@ func (d *dbSettings) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	// connection next). The claim sets it for its own transaction.
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL: %w", err)
+		return nil, fmt.Errorf("%s: %w", d.setting(), err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("DATABASE_URL: cannot reach PostgreSQL at %s:%d: %w", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+		return nil, fmt.Errorf("%s: cannot reach PostgreSQL at %s:%d: %w", d.setting(), cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
 	}
-	if err := pgdb.CheckPooler(ctx, pool, "DATABASE_URL"); err != nil {
+	if err := pgdb.CheckPooler(ctx, pool, d.setting()); err != nil {
 		pool.Close()
 		return nil, err
 	}

@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -239,4 +240,93 @@ func FreeAddr(t testing.TB) string {
 	}
 	defer ln.Close()
 	return ln.Addr().String()
+}
+
+// Where says how a test reaches PostgreSQL: directly, or through PgBouncer
+// in transaction pooling (dev/pgbouncer.sh), in one of pgx's query exec
+// modes.
+type Where struct {
+	Pooled bool
+	Mode   pgx.QueryExecMode
+}
+
+func (w Where) String() string {
+	if w.Pooled {
+		return "pgbouncer/" + w.ModeName()
+	}
+	return "direct/" + w.ModeName()
+}
+
+// ModeName is the mode as default_query_exec_mode names it in a URL.
+func (w Where) ModeName() string { return strings.ReplaceAll(w.Mode.String(), " ", "_") }
+
+// EveryWay is every way the library must work: each of pgx's five query exec
+// modes directly, and behind PgBouncer in transaction pooling each mode that
+// can work there (pgdb.CheckPooler refuses the other two at start-up).
+var EveryWay = []Where{
+	{false, pgx.QueryExecModeCacheStatement}, {false, pgx.QueryExecModeCacheDescribe}, {false, pgx.QueryExecModeDescribeExec},
+	{false, pgx.QueryExecModeExec}, {false, pgx.QueryExecModeSimpleProtocol},
+	{true, pgx.QueryExecModeExec}, {true, pgx.QueryExecModeSimpleProtocol}, {true, pgx.QueryExecModeCacheDescribe},
+}
+
+// URL is the test database's URL reached as w says.
+func (w Where) URL(t testing.TB) string {
+	t.Helper()
+	base := need(t, "DATABASE_URL")
+	if w.Pooled {
+		base = need(t, "ONCE_PGBOUNCER_URL")
+	}
+	return WithParam(base, "default_query_exec_mode", w.ModeName())
+}
+
+// Pool connects as w says to the migrated test database; closed with the test.
+func (w Where) Pool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	Postgres(t) // migrated
+	cfg, err := pgxpool.ParseConfig(w.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 20
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("connect %s: %v", w, err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// WithParam sets one query parameter of a PostgreSQL URL.
+func WithParam(databaseURL, key, value string) string {
+	u, err := url.Parse(databaseURL)
+	if err != nil {
+		return databaseURL
+	}
+	q := u.Query()
+	q.Set(key, value)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// WithoutParam drops one query parameter of a PostgreSQL URL.
+func WithoutParam(databaseURL, key string) string {
+	u, err := url.Parse(databaseURL)
+	if err != nil {
+		return databaseURL
+	}
+	q := u.Query()
+	q.Del(key)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// PoolAt connects to a database URL; closed with the test.
+func PoolAt(t testing.TB, databaseURL string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), databaseURL)
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }

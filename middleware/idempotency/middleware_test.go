@@ -903,22 +903,16 @@ func TestAnOldDuplicateIsADuplicateNotTooOld(t *testing.T) {
 	}
 }
 
-// Claims work in every query exec mode of pgx: exec and simple_protocol
-// (what PgBouncer in transaction mode needs) do not ask the server for the
-// parameters' types, and a parameter pgx cannot encode as text there would
-// fail every claim, holding every partition for good (review finding).
+// Claims work in every query exec mode of pgx, directly and behind
+// PgBouncer in transaction pooling: exec and simple_protocol (what such a
+// pooler needs) do not ask the server for the parameters' types, and a
+// parameter pgx cannot encode as text there would fail every claim, holding
+// every partition for good (review finding).
 func TestClaimsWorkInEveryQueryExecMode(t *testing.T) {
 	base := setup(t)
-	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
-		t.Run(mode.String(), func(t *testing.T) {
-			cfg := base.Config().Copy()
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pool.Close()
+	for _, where := range testenv.EveryWay {
+		t.Run(where.String(), func(t *testing.T) {
+			pool := where.Pool(t)
 			group := uniqueGroup(t, "g")
 			var outcomes []idempotency.Outcome
 			var mu sync.Mutex

@@ -192,6 +192,9 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 		}
 		return idempotency.RejectAfterCommit(fmt.Errorf("billing: provider refused order %d: %w", ev.OrderID(), err))
 	}
+	// The money moved: from here nothing in this attempt dead-letters the
+	// event; it is held until the payment's record commits.
+	idempotency.MarkExternalEffect(ctx, fmt.Sprintf("charged order %d (charge %s)", ev.OrderID(), charge.ID))
 	// occurred_at and the event's id take the intent's time, on the
 	// database's clock, which every attempt reads the same: the event has
 	// one id and one byte form however often it is built. Not the
@@ -347,6 +350,7 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 		}
 		return fmt.Errorf("billing: refund order %d: %w", ev.OrderID(), err)
 	}
+	idempotency.MarkExternalEffect(ctx, fmt.Sprintf("refunded order %d (refund %s)", ev.OrderID(), refund.ID))
 	// The cancellation's id time: stable across attempts, and already
 	// judged against the database's clock when the cancellation was
 	// claimed, unlike the provider's clock.

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -496,5 +497,58 @@ func TestConfirmationWaitsForACancellationInFlight(t *testing.T) {
 	}
 	if status, _, _, _ := f.payment(t, orderID); status != "cancelled" || f.ledger(t).Count != 0 {
 		t.Fatalf("payment %s, %d charges; want cancelled and never charged", status, f.ledger(t).Count)
+	}
+}
+
+// The provider charged and the payment's record is then refused by the
+// database (22P02, as a pooler or a driver mode can cause): nothing in that
+// attempt is permanent after the charge. The order is held, not
+// dead-lettered, and once the write passes it is recorded once, under the
+// one charge the provider made.
+func TestAChargeWhoseRecordFailsIsHeldAndRecordedOnce(t *testing.T) {
+	f := setup(t)
+	ctx := context.Background()
+	orderID := newOrderID()
+	fn := "billing_test_refuse_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := f.pool.Exec(ctx, `CREATE SEQUENCE `+fn+`_tries;
+CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.order_id = `+strconv.FormatInt(orderID, 10)+` THEN
+    PERFORM nextval('`+fn+`_tries');
+    RAISE EXCEPTION 'staged: invalid input syntax for type json' USING ERRCODE = '22P02';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER `+fn+` BEFORE INSERT ON billing.payments FOR EACH ROW EXECUTE FUNCTION `+fn+`()`); err != nil {
+		t.Fatal(err)
+	}
+	drop := func() { _, _ = f.pool.Exec(context.Background(), `DROP TRIGGER IF EXISTS `+fn+` ON billing.payments`) }
+	t.Cleanup(func() {
+		drop()
+		_, _ = f.pool.Exec(context.Background(), `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
+	})
+	ev := confirmed(t, orderID, "42.00")
+	for range 2 {
+		d := f.confirmed.Deliver(ev)
+		if d.DeadLettered() || !errors.Is(d.Err, idempotency.ErrAfterExternalEffect) {
+			t.Fatalf("the charge's record refused: %v (dead-lettered %t); want it held after the charge", d.Err, d.DeadLettered())
+		}
+	}
+	if n := f.count(t, `SELECT last_value FROM `+fn+`_tries`); n != 2 {
+		t.Fatalf("the record was refused %d times; want 2 (the fault did not happen)", n)
+	}
+	drop()
+	f.confirmed.DeliverTwice(ev)
+	if status, chargeID, _, _ := f.payment(t, orderID); status != "charged" || chargeID == nil {
+		t.Fatalf("payment %s; want charged", status)
+	}
+	charges := 0
+	for _, c := range f.ledger(t).Charges {
+		if c.OrderID == strconv.FormatInt(orderID, 10) {
+			charges++
+		}
+	}
+	if charges != 1 {
+		t.Fatalf("the provider holds %d charges of the order; want 1", charges)
 	}
 }

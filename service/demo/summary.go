@@ -165,15 +165,15 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 	var charged int
 	if err := db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'charged'), count(*) FILTER (WHERE status = 'failed'),
 		count(*) FILTER (WHERE status = 'cancelled'), coalesce(sum(amount) FILTER (WHERE status = 'charged'), 0)
-		FROM billing.payments WHERE event_id = ANY($1)`, ids).Scan(&charged, &s.FailedPayments, &s.CancelledBeforePaid, &s.OurCharged); err != nil {
+		FROM billing.payments WHERE event_id = ANY($1::uuid[])`, texts(ids)).Scan(&charged, &s.FailedPayments, &s.CancelledBeforePaid, &s.OurCharged); err != nil {
 		return s, fmt.Errorf("demo: read payments: %w", err)
 	}
-	if err := db.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM billing.refunds WHERE event_id = ANY($1)`, cancelIDs).
+	if err := db.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount), 0) FROM billing.refunds WHERE event_id = ANY($1::uuid[])`, texts(cancelIDs)).
 		Scan(&s.Refunds, &s.OurRefunded); err != nil {
 		return s, fmt.Errorf("demo: read refunds: %w", err)
 	}
 	notCharged := map[string]bool{} // cancelled before the charge
-	rows, err := db.Query(ctx, `SELECT order_id FROM billing.payments WHERE event_id = ANY($1) AND status = 'cancelled'`, ids)
+	rows, err := db.Query(ctx, `SELECT order_id FROM billing.payments WHERE event_id = ANY($1::uuid[]) AND status = 'cancelled'`, texts(ids))
 	if err != nil {
 		return s, err
 	}
@@ -265,19 +265,19 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 
 	// Claims: billing claims confirmations and cancellations; analytics
 	// confirmations and payment events.
-	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
-		r.billing, append(append([]uuid.UUID(nil), ids...), cancelIDs...)).Scan(&s.Billing.ClaimRows); err != nil {
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2::uuid[])`,
+		r.billing, texts(append(append([]uuid.UUID(nil), ids...), cancelIDs...))).Scan(&s.Billing.ClaimRows); err != nil {
 		return s, err
 	}
-	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
-		r.analytics, ids).Scan(&s.Analytics.ClaimRows); err != nil {
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2::uuid[])`,
+		r.analytics, texts(ids)).Scan(&s.Analytics.ClaimRows); err != nil {
 		return s, err
 	}
 	// Billing recorded the id of every payment event it published: the
 	// analytics claims of exactly those.
 	var paymentIDs []uuid.UUID
-	rows, err = db.Query(ctx, `SELECT payment_event_id FROM billing.payments WHERE event_id = ANY($1) AND payment_event_id IS NOT NULL
-		UNION ALL SELECT payment_event_id FROM billing.refunds WHERE event_id = ANY($2) AND payment_event_id IS NOT NULL`, ids, cancelIDs)
+	rows, err = db.Query(ctx, `SELECT payment_event_id FROM billing.payments WHERE event_id = ANY($1::uuid[]) AND payment_event_id IS NOT NULL
+		UNION ALL SELECT payment_event_id FROM billing.refunds WHERE event_id = ANY($2::uuid[]) AND payment_event_id IS NOT NULL`, texts(ids), texts(cancelIDs))
 	if err != nil {
 		return s, err
 	}
@@ -288,8 +288,8 @@ func (r *run) summarize(ctx context.Context, republished int, replay dlq.Report,
 	}
 	rows.Close()
 	var paymentClaims int
-	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2)`,
-		r.analytics, paymentIDs).Scan(&paymentClaims); err != nil {
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer_group = $1 AND event_id = ANY($2::uuid[])`,
+		r.analytics, texts(paymentIDs)).Scan(&paymentClaims); err != nil {
 		return s, err
 	}
 	s.PaymentEvents = len(paymentIDs)
@@ -398,6 +398,17 @@ func failed(checks []Check) []string {
 		if !c.OK {
 			out = append(out, c.What)
 		}
+	}
+	return out
+}
+
+// texts are ids as text, cast to uuid[] by the statement: pgx's exec and
+// simple_protocol modes (behind a pooler) have no text encoding for a
+// []uuid.UUID.
+func texts(ids []uuid.UUID) []string {
+	out := make([]string, len(ids))
+	for i, id := range ids {
+		out[i] = id.String()
 	}
 	return out
 }
