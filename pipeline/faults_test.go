@@ -198,7 +198,9 @@ func TestAGroupOnTwoTopicsIsOneMember(t *testing.T) {
 // After an offset reset a group reads its poison again: each was
 // dead-lettered once, and is not dead-lettered twice (review finding: the
 // dead-letter topic doubled after a reset to the earliest offsets).
-func TestAnOffsetResetDoesNotDeadLetterTwice(t *testing.T) { eachMode(t, testResetDoesNotDeadLetterTwice) }
+func TestAnOffsetResetDoesNotDeadLetterTwice(t *testing.T) {
+	eachMode(t, testResetDoesNotDeadLetterTwice)
+}
 
 func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	e := newEnv(t, 1)
@@ -241,7 +243,9 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 // A re-published event in another byte form is a duplicate: members in
 // another order, the time in another zone, the amount as a number or a
 // string of another scale. Only other values under the id are a mismatch.
-func TestARepublishedEventInAnotherByteFormIsADuplicate(t *testing.T) { eachMode(t, testRepublishedInAnotherForm) }
+func TestARepublishedEventInAnotherByteFormIsADuplicate(t *testing.T) {
+	eachMode(t, testRepublishedInAnotherForm)
+}
 
 // shipment is an event type of a team's own, decoded by encoding/json: its
 // time keeps the offset it came with, and its amount is a decimal.

@@ -123,9 +123,9 @@ WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group
 type inboxForgetCmd struct {
 	DB             dbSettings        `embed:""`
 	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them: a group's claim is forgotten in its own."`
-	EventID string     `arg:"" name:"event-id" help:"The event's id (a UUIDv7)."`
-	Group   string     `name:"group" required:"" help:"The consumer group whose claim goes (its full name, suffix included)."`
-	Force   bool       `name:"force" help:"Also for a billing group: its effect is money, and a replay after forgetting charges again unless the provider still knows the idempotency key."`
+	EventID        string            `arg:"" name:"event-id" help:"The event's id (a UUIDv7)."`
+	Group          string            `name:"group" required:"" help:"The consumer group whose claim goes (its full name, suffix included)."`
+	Force          bool              `name:"force" help:"Also for a billing group: its effect is money, and a replay after forgetting charges again unless the provider still knows the idempotency key."`
 }
 
 func (c *inboxForgetCmd) Validate() error {
