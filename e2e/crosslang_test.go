@@ -44,9 +44,58 @@ type produced struct {
 // writes and as a JSON number: both groups process every one, dead-letter
 // none, and the usual invariants hold.
 func TestGuidesPythonProducer(t *testing.T) {
-	python, dir := seedpeer(t)
 	s := newScenario(t, "0 the guide's Python producer", 6)
-	s.startProvider()
+	s.guidesProducer(scale(300), scale(100), "0.1", nil)
+}
+
+// 15. The same, with the consumers behind PgBouncer in transaction pooling
+// (dev/pgbouncer.sh; the URL names default_query_exec_mode=exec), 25% of the
+// events re-published: every statement of both groups goes through a server
+// connection that is theirs for one transaction only.
+func TestGuidesProducerBehindPgBouncer(t *testing.T) {
+	eachAnalyticsMode(t, "15 behind PgBouncer", func(t *testing.T, name string, batched bool) {
+		s := newScenario(t, name, 6)
+		s.batched = batched
+		s.requireDevService("pgbouncer")
+		s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
+		s.guidesProducer(scale(300), scale(100), "0.25", nil)
+	})
+}
+
+// 16. Behind PgBouncer, and PgBouncer killed with -9 while both groups work,
+// then started again: every client and server connection is cut at once.
+func TestPgBouncerKilled(t *testing.T) {
+	eachAnalyticsMode(t, "16 PgBouncer kill -9", func(t *testing.T, name string, batched bool) {
+		s := newScenario(t, name, 6)
+		s.batched = batched
+		s.requireDevService("pgbouncer")
+		s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
+		// A provider that takes 100ms: billing's transactions are open when
+		// the pooler dies.
+		s.providerFlags = []string{"--fault-latency", "100ms"}
+		s.guidesProducer(scale(300), scale(100), "0.25", func() {
+			s.waitClaims(billingGroup, 20, 60*time.Second)
+			s.devService("pgbouncer", "kill")
+			s.kills++
+			time.Sleep(time.Second)
+			s.devService("pgbouncer", "start")
+			s.restarts++
+		})
+		if s.readOutcomes().held() == 0 {
+			t.Error("no attempt was held while PgBouncer was down: the fault did not happen")
+		}
+	})
+}
+
+// guidesProducer publishes events with the guide's own Python producer
+// (strings, then numbers, as amounts; dupRate of them re-published), runs
+// during while both groups work on them, and verifies. Every event must be
+// processed by both groups and none dead-lettered.
+func (s *scenario) guidesProducer(asStrings, asNumbers int, dupRate string, during func()) {
+	t := s.t
+	t.Helper()
+	python, dir := seedpeer(t)
+	s.startProvider(s.providerFlags...)
 	customers := make([]int64, 97) // produce.py's customer ids: 1 + order_id % 97
 	for i := range customers {
 		customers[i] = int64(i + 1)
@@ -59,9 +108,9 @@ func TestGuidesPythonProducer(t *testing.T) {
 	for _, run := range []struct {
 		format string
 		n      int
-	}{{"seed", scale(300)}, {"seed-number", scale(100)}} {
+	}{{"seed", asStrings}, {"seed-number", asNumbers}} {
 		cmd := exec.Command(python, filepath.Join(dir, "produce.py"), "--brokers", s.brokers[0], "--topic", s.topic,
-			"-n", strconv.Itoa(run.n), "--dup-rate", "0.1", "--first-order", strconv.FormatInt(firstOrder, 10), "--format", run.format)
+			"-n", strconv.Itoa(run.n), "--dup-rate", dupRate, "--first-order", strconv.FormatInt(firstOrder, 10), "--format", run.format)
 		firstOrder += int64(run.n)
 		out, err := cmd.Output()
 		if err != nil {
@@ -72,6 +121,9 @@ func TestGuidesPythonProducer(t *testing.T) {
 			t.Fatalf("produce.py printed %q: %v", out, err)
 		}
 		want = append(want, p)
+	}
+	if during != nil {
+		during()
 	}
 
 	// What the Python side published, read back and decoded by our contract:
@@ -101,7 +153,7 @@ func TestGuidesPythonProducer(t *testing.T) {
 		t.Fatalf("read %d distinct events totalling %s; produce.py says %d totalling %s",
 			len(s.events), sum, want[0].Distinct+want[1].Distinct, total)
 	}
-	s.verify(120 * time.Second)
+	s.verify(180 * time.Second)
 
 	o := s.readOutcomes()
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {

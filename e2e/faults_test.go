@@ -44,7 +44,12 @@ func (s *scenario) publishInBackground(n int, d time.Duration) <-chan struct{} {
 // or switchover): every write fails with SQLSTATE 25006. Events are held, not
 // one is dead-lettered, and all are processed once the database takes writes.
 func TestReadOnlyDatabase(t *testing.T) {
-	s := newScenario(t, "7 postgres read-only", 6)
+	eachAnalyticsMode(t, "7 postgres read-only", testReadOnlyDatabase)
+}
+
+func testReadOnlyDatabase(t *testing.T, name string, batched bool) {
+	s := newScenario(t, name, 6)
+	s.batched = batched
 	s.requireDevService("postgres")
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
@@ -81,7 +86,12 @@ func TestReadOnlyDatabase(t *testing.T) {
 // newcomer processes its share at once; the stuck one catches up when the
 // network does.
 func TestDatabaseBlackHole(t *testing.T) {
-	s := newScenario(t, "8 database black hole", 6)
+	eachAnalyticsMode(t, "8 database black hole", testDatabaseBlackHole)
+}
+
+func testDatabaseBlackHole(t *testing.T, name string, batched bool) {
+	s := newScenario(t, name, 6)
+	s.batched = batched
 	_, proxy := testenv.ProxiedPostgres(t, s.pool)
 	s.startProvider()
 	a := s.consumerEnv("consumer-a", []string{"DATABASE_URL=" + proxy.URL(os.Getenv("DATABASE_URL"))},
@@ -270,8 +280,11 @@ func TestBrokerCrash(t *testing.T) {
 // tuned it for speed would: a commit then returns before its WAL is written,
 // and only the consumers' own raise of the setting keeps what they
 // acknowledged.
-func TestDatabaseCrash(t *testing.T) {
-	s := newScenario(t, "13 postgres kill -9", 6)
+func TestDatabaseCrash(t *testing.T) { eachAnalyticsMode(t, "13 postgres kill -9", testDatabaseCrash) }
+
+func testDatabaseCrash(t *testing.T, name string, batched bool) {
+	s := newScenario(t, name, 6)
+	s.batched = batched
 	s.requireDevService("postgres")
 	s.sql("ALTER SYSTEM SET synchronous_commit = off", "SELECT pg_reload_conf()")
 	t.Cleanup(func() { s.sql("ALTER SYSTEM RESET synchronous_commit", "SELECT pg_reload_conf()") })

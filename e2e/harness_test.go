@@ -52,10 +52,11 @@ type scenario struct {
 	producer sarama.SyncProducer
 	dir      string
 
-	providerURL string
-	providerEnv []string // the simulator's own environment, on top of env
-	provider    *proc
-	ordersURL   string
+	providerURL   string
+	providerEnv   []string // the simulator's own environment, on top of env
+	providerFlags []string // the simulator's flags, where a helper starts it
+	provider      *proc
+	ordersURL     string
 
 	mu        sync.Mutex
 	events    []order.Confirmed
@@ -75,6 +76,20 @@ type scenario struct {
 	exactlyOnceDLQ bool
 	// env is added to every process's environment.
 	env []string
+	// batched: analytics commits its confirmations in batches (the group
+	// commit) in every consumer of the scenario.
+	batched bool
+	// consumerDB, if set, is the consumers' DATABASE_URL (a pooler in front
+	// of the test database); the checks read the database directly.
+	consumerDB string
+}
+
+// eachAnalyticsMode runs a scenario twice: analytics one event per
+// transaction, and analytics batched (the group commit). The row's name says
+// which.
+func eachAnalyticsMode(t *testing.T, name string, run func(t *testing.T, name string, batched bool)) {
+	t.Run("per-event", func(t *testing.T) { run(t, name, false) })
+	t.Run("batched", func(t *testing.T) { run(t, name+" (batched)", true) })
 }
 
 func newScenario(t *testing.T, name string, partitions int32) *scenario {
@@ -264,11 +279,17 @@ func (s *scenario) consumer(name string, extra ...string) *proc {
 func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc {
 	s.t.Helper()
 	env = append([]string{"PAYMENT_API_KEY=" + s.account}, env...) // a secret: never a flag
-	args := append([]string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
+	if s.consumerDB != "" {
+		env = append([]string{"DATABASE_URL=" + s.consumerDB}, env...) // the caller's own wins
+	}
+	args := []string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
 		"--groups", "billing,analytics", "--payment-url", s.providerURL,
 		"--session-timeout", "6s", "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
-		"--log-level", "debug", "--log-format", "json"}, extra...)
-	return s.startEnv(name, env, args...)
+		"--log-level", "debug", "--log-format", "json"}
+	if s.batched {
+		args = append(args, "--analytics-batch", "50")
+	}
+	return s.startEnv(name, env, append(args, extra...)...)
 }
 
 func (s *scenario) newEvent(amount decimal.Decimal) order.Confirmed {

@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -93,8 +95,11 @@ func TestDuplicatesFromEverySource(t *testing.T) {
 
 // 2. kill -9 of consumers at random moments during a stream, and once exactly
 // between the database commit and the offset commit.
-func TestKillNine(t *testing.T) {
-	s := newScenario(t, "2 kill -9", 6)
+func TestKillNine(t *testing.T) { eachAnalyticsMode(t, "2 kill -9", testKillNine) }
+
+func testKillNine(t *testing.T, name string, batched bool) {
+	s := newScenario(t, name, 6)
+	s.batched = batched
 	s.startProvider()
 	consumers := []*proc{
 		s.consumerEnv("consumer-a", []string{"ONCE_E2E_KILL_AFTER_COMMIT=40"}),
@@ -205,22 +210,80 @@ func field(jsonLine, name string) string {
 }
 
 // 3. Rebalances: a group scaled from 1 to 3 instances and back while traffic
-// flows; the instances that leave get SIGTERM and must exit cleanly.
+// flows; the instances that leave get SIGTERM and must exit cleanly. The
+// scenario proves the rebalances happened: each newcomer owned partitions of
+// the topic before it left, and the first instance owned them all again after.
 func TestRebalances(t *testing.T) {
 	s := newScenario(t, "3 rebalances 1-3-1", 6)
 	s.startProvider()
-	s.consumer("consumer-a")
+	a := s.consumer("consumer-a")
 	done := make(chan struct{})
 	go func() { defer close(done); s.publish(scale(900), 100*time.Millisecond) }()
-	time.Sleep(2 * time.Second)
+	billing := s.group(billingGroup)
+	s.waitSession(a, billing, func(parts []int32) bool { return len(parts) == 6 }, "consumer-a owns all six partitions")
 	b, c := s.consumer("consumer-b"), s.consumer("consumer-c")
-	s.rebal += 2
-	time.Sleep(4 * time.Second)
+	for _, p := range []*proc{b, c} {
+		s.waitSession(p, billing, func(parts []int32) bool { return len(parts) > 0 }, p.name+" owns partitions of the topic")
+	}
+	time.Sleep(2 * time.Second) // they process their share
 	b.stop(t)
 	c.stop(t)
-	s.rebal += 2
+	s.waitSession(a, billing, func(parts []int32) bool { return len(parts) == 6 && s.sessionsOf(a, billing) > 2 },
+		"consumer-a owns all six partitions again")
+	// Every session of the group after the first is a rebalance.
+	generations := map[float64]bool{}
+	for _, p := range []*proc{a, b, c} {
+		for _, sess := range s.sessions(p, billing) {
+			generations[sess.generation] = true
+		}
+	}
+	s.rebal = len(generations) - 1
+	if s.rebal < 2 {
+		t.Fatalf("%d rebalances of %s seen; want at least 2 (joins, then leaves)", s.rebal, billing)
+	}
 	<-done
 	s.verify(120 * time.Second)
+}
+
+// session is one consumer-group session of a process, as its log says.
+type session struct {
+	generation float64
+	partitions []int32 // of the scenario's order-confirmed topic
+}
+
+// sessions reads p's sessions of group from its log.
+func (s *scenario) sessions(p *proc, group string) []session {
+	b, _ := os.ReadFile(p.log)
+	var out []session
+	for _, line := range strings.Split(string(b), "\n") {
+		var l map[string]any
+		if json.Unmarshal([]byte(line), &l) != nil || l["msg"] != "kafka: session began" || l["consumer_group"] != group {
+			continue
+		}
+		sess := session{generation: l["generation"].(float64)}
+		parts, _ := l[s.topic].([]any)
+		for _, p := range parts {
+			sess.partitions = append(sess.partitions, int32(p.(float64)))
+		}
+		out = append(out, sess)
+	}
+	return out
+}
+
+func (s *scenario) sessionsOf(p *proc, group string) int { return len(s.sessions(p, group)) }
+
+// waitSession waits until p's latest session of group has partitions that
+// satisfy ok.
+func (s *scenario) waitSession(p *proc, group string, ok func([]int32) bool, what string) {
+	s.t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) {
+		if ss := s.sessions(p, group); len(ss) > 0 && ok(ss[len(ss)-1].partitions) {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	s.t.Fatalf("timed out after 60s waiting until %s", what)
 }
 
 // 4. PostgreSQL restarted mid-stream: the consumers ride it out without a

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -194,12 +195,17 @@ type claimHandler struct {
 
 func (h *claimHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	claims := sess.Claims()
-	for topic, f := range h.s.feeds {
+	attrs := []any{"consumer_group", h.s.group, "generation", sess.GenerationID()}
+	for _, topic := range slices.Sorted(maps.Keys(h.s.feeds)) {
+		f := h.s.feeds[topic]
 		parts := slices.Clone(claims[topic])
 		slices.Sort(parts)
 		f.assigned.Store(&parts)
 		f.joined.Store(true)
+		attrs = append(attrs, slog.Any(topic, parts))
 	}
+	// One line per rebalance: which partitions this member owns now.
+	h.s.log.Info("kafka: session began", attrs...)
 	return nil
 }
 
