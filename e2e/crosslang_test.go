@@ -158,7 +158,28 @@ func (s *scenario) guidesProducer(asStrings, asNumbers int, dupRate string, duri
 	o := s.readOutcomes()
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
 		if n := o.byTopic[g+"|"+s.topic+"|processed"]; n != len(s.events) {
-			t.Errorf("%s processed %d of the guide's events, want %d", g, n, len(s.events))
+			// Under a fault, a commit that took effect may have lost its
+			// answer (the connection cut under it): the next attempt finds
+			// the claim and skips the event. Every other event was processed.
+			processed, skipped := map[string]bool{}, map[string]bool{}
+			for _, id := range o.ids[g]["processed"] {
+				processed[id] = true
+			}
+			for _, id := range o.ids[g]["duplicate"] {
+				skipped[id] = true
+			}
+			lostAnswers := 0
+			for _, ev := range s.events {
+				id := ev.EventID().String()
+				if !processed[id] && skipped[id] && during != nil {
+					lostAnswers++
+				}
+			}
+			if n+lostAnswers != len(s.events) {
+				t.Errorf("%s processed %d of the guide's events (and %d whose commit's answer the fault cut), want %d", g, n, lostAnswers, len(s.events))
+			} else {
+				t.Logf("%s: %d commits took effect although their answer was lost to the fault; their next attempts skipped the events", g, lostAnswers)
+			}
 		}
 		// At least what produce.py re-published; a rebalance while the
 		// consumers joined may redeliver more.
