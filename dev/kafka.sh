@@ -7,6 +7,8 @@
 #   dev/kafka.sh stop     stop the broker this script started (by its PID file)
 #   dev/kafka.sh status   say whether it runs
 #   dev/kafka.sh kill     kill -9 the broker (a crash); start recovers its data
+#   dev/kafka.sh pause|resume   SIGSTOP / SIGCONT the broker: it neither
+#                         answers nor fails while paused
 #   dev/kafka.sh tool CLASS ARGS...   run a Kafka tool class on the broker's classpath
 #
 #   dev/kafka.sh cluster start|stop|status    a three-broker KRaft cluster (each
@@ -357,8 +359,12 @@ start) start ;;
 secure) shift; secure "$@" ;;
 stop) stop ;;
 kill) kill_broker ;;
+# pause: the broker neither answers nor fails (SIGSTOP), as a hung or
+# partitioned broker; resume lets it go on (SIGCONT).
+pause) pid=$(running_pid) || { log "not running"; exit 1; }; kill -STOP "$pid"; log "paused (pid $pid)" ;;
+resume) pid=$(running_pid) || { log "not running"; exit 1; }; kill -CONT "$pid"; log "resumed (pid $pid)" ;;
 cluster) shift; cluster "$@" ;;
 status) if pid=$(running_pid); then echo "running (pid $pid) on $bootstrap"; else echo "not running"; exit 1; fi ;;
 tool) shift; resolve_jars; java_run "$@" ;;
-*) echo "usage: $0 start|stop|status|kill|tool CLASS ARGS...|cluster ..." >&2; exit 2 ;;
+*) echo "usage: $0 start|stop|status|kill|pause|resume|tool CLASS ARGS...|cluster ..." >&2; exit 2 ;;
 esac

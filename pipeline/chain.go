@@ -256,6 +256,11 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
+			// One record of external effects for every attempt of this
+			// delivery: after an attempt charged, none is permanent.
+			delivered := msg.Context()
+			msg.SetContext(idempotency.WithDelivery(delivered))
+			defer msg.SetContext(delivered)
 			revoked := revokedOf(msg)
 			wait := p.cfg.HoldBackoff
 			var heldSince time.Time

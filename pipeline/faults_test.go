@@ -2,6 +2,7 @@ package pipeline_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -312,3 +313,114 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 // jsonUnmarshalStrict is encoding/json as the guide's models read: unknown
 // fields ignored, the value one object.
 func jsonUnmarshalStrict(b []byte, v any) error { return json.Unmarshal(b, v) }
+
+// opaque keeps its values in unexported fields behind getters, as a team's
+// event type may: encoding/json sees none of them.
+type opaque struct {
+	id     uuid.UUID
+	amount string
+}
+
+func (o opaque) EventID() uuid.UUID { return o.id }
+
+func decodeOpaque(b []byte) (opaque, error) {
+	var w struct {
+		ID     uuid.UUID `json:"event_id"`
+		Amount string    `json:"amount"`
+	}
+	err := json.Unmarshal(b, &w)
+	return opaque{id: w.ID, amount: w.Amount}, err
+}
+
+// A reused id with other values is a mismatch for an event type whose values
+// encoding/json cannot see (review finding: every such event fingerprinted
+// as {}, and a reused id passed for a duplicate); and a claim stored before
+// fingerprints (the payload's bytes hashed, no values) still makes the same
+// bytes a duplicate.
+func TestAReusedIDIsAMismatchWhateverTheEventType(t *testing.T) {
+	e := newEnv(t, 1)
+	group := uniqueGroup("opaque")
+	var runs atomic.Int64
+	var seen outcomes
+	cfg := e.config()
+	cfg.OnResult = seen.record
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[opaque]{Name: e.topic, DLQ: e.dlq, Decode: decodeOpaque, Groups: []pipeline.Group[opaque]{
+		{Name: group, Handle: func(context.Context, pgx.Tx, opaque) error { runs.Add(1); return nil }}}}}
+	legacy := uuid.Must(uuid.NewV7())
+	legacyBytes := []byte(`{"event_id":"` + legacy.String() + `","amount":"1.00"}`)
+	raw := sha256.Sum256(legacyBytes)
+	if _, err := e.pool.Exec(context.Background(), `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, $3)`,
+		legacy, group, raw[:]); err != nil {
+		t.Fatal(err)
+	}
+	run(t, cfg)
+	id := uuid.Must(uuid.NewV7())
+	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"10.00"}`))
+	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"amount":"10.00", "event_id":"`+id.String()+`"}`))
+	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"99.00"}`))
+	testenv.Publish(t, e.prod, e.topic, "k", legacyBytes)
+	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
+		return seen.get(group, idempotency.Processed)+seen.get(group, idempotency.Duplicate)+seen.get(group, idempotency.PayloadMismatch) == 4
+	})
+	if seen.get(group, idempotency.Processed) != 1 || seen.get(group, idempotency.Duplicate) != 2 || seen.get(group, idempotency.PayloadMismatch) != 1 {
+		t.Fatalf("processed %d, duplicates %d, mismatches %d; want 1, 2 (the other member order, the legacy claim's bytes), 1",
+			seen.get(group, idempotency.Processed), seen.get(group, idempotency.Duplicate), seen.get(group, idempotency.PayloadMismatch))
+	}
+}
+
+// A stop while the broker neither answers nor fails (paused: a hung broker,
+// a partition) and a dead letter is on its way to it ends the pipeline
+// within a bound, instead of waiting out every retry of the letter's send
+// (review finding: minutes). The letter stays parked.
+func TestAStopWhileTheBrokerIsSilentIsBounded(t *testing.T) {
+	testenv.RequireDevService(t, "kafka")
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("silent-broker")}
+	cfg := e.config(group(r))
+	cfg.CloseTimeout = 5 * time.Second
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the group at work", func() bool { return effects(t, e.pool, r.group) == 1 })
+
+	testenv.DevService(t, "kafka", "pause")
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			testenv.DevService(t, "kafka", "resume")
+			testenv.WaitForKafka(t, e.brokers, time.Minute)
+		}
+	}
+	t.Cleanup(resume)
+	var id int64
+	if err := e.pool.QueryRow(context.Background(), `INSERT INTO once_dead_letter (topic, payload, headers) VALUES ($1, 'x', '[]') RETURNING id`, e.dlq).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DELETE FROM once_dead_letter WHERE id = $1`, id) })
+	testenv.Eventually(t, 30*time.Second, "the drainer sending the letter to the silent broker", func() bool {
+		var attempts int
+		_ = e.pool.QueryRow(context.Background(), `SELECT attempts FROM once_dead_letter WHERE id = $1`, id).Scan(&attempts)
+		return attempts > 0
+	})
+	stopped := time.Now()
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(45 * time.Second):
+		resume()
+		t.Fatal("the pipeline did not stop within 45s of its stop while the broker was silent")
+	}
+	took := time.Since(stopped)
+	t.Logf("stopped %s after the stop, the broker silent", took.Round(time.Millisecond))
+	resume()
+	var parked int
+	if err := e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE id = $1`, id).Scan(&parked); err != nil || parked != 1 {
+		t.Fatalf("the letter is gone (%v): a send abandoned at the stop must leave it parked", err)
+	}
+}

@@ -61,9 +61,13 @@ type Config struct {
 	// back, and the message is held and tried again. Keep it above the
 	// handler's own longest retries. Default: 2m.
 	AttemptTimeout time.Duration
-	// StatementTimeout bounds each statement of the claim itself (see
-	// idempotency.Config). Default: 30s.
+	// StatementTimeout bounds each statement of the claim itself, on the
+	// client (see idempotency.Config). Default: 30s.
 	StatementTimeout time.Duration
+	// TxStatementTimeout is the server's statement_timeout for every
+	// statement of a claim's transaction, the handler's included, set for
+	// that transaction only. Default: AttemptTimeout.
+	TxStatementTimeout time.Duration
 
 	// SessionTimeout of the consumer-group membership: how long the broker
 	// waits for a crashed member before giving its partitions to others; the
@@ -176,6 +180,9 @@ func (c *Config) setDefaults() {
 	if c.StatementTimeout == 0 {
 		c.StatementTimeout = 30 * time.Second
 	}
+	if c.TxStatementTimeout == 0 {
+		c.TxStatementTimeout = c.AttemptTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -209,7 +216,7 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 		errs = append(errs, fmt.Errorf("pipeline: CommitMode %q: want %q or %q", c.CommitMode, CommitInterval, CommitSync))
 	}
 	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 ||
-		c.AttemptTimeout < 0 || c.StatementTimeout < 0 {
+		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
 	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
@@ -322,7 +329,7 @@ func New(cfg Config) (*Pipeline, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pipeline: kafka producer on %v: %w", cfg.Brokers, err)
 	}
-	p.closers = append(p.closers, func() error { return errors.Join(p.producer.Close(), client.Close()) })
+	p.closers = append(p.closers, func() error { return closeProducer(p.producer, client, producerCloseTimeout) })
 	p.kafkaPub = outbox.KafkaPublisher{Producer: p.producer}
 	if cfg.OnForwarded != nil {
 		p.kafkaPub.AfterPublish = func(topic string, m *message.Message) { cfg.OnForwarded(Forwarded{Topic: topic, ID: m.UUID}) }
@@ -476,21 +483,23 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	sub := p.subs[g.name]
 	if sub == nil {
 		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
+		sub.closeTimeout = cfg.CloseTimeout
 		p.subs[g.name] = sub
 		p.closers = append(p.closers, sub.Close)
 	}
 
 	idem, err := idempotency.New(idempotency.Config{
-		DB:               g.db,
-		ConsumerGroup:    g.name,
-		Key:              decodedKey,
-		Fingerprint:      decodedFingerprint,
-		Schema:           cfg.Schema.Schema,
-		Table:            cfg.Schema.ClaimTable,
-		MaxEventAge:      cfg.MaxEventAge,
-		MaxClockSkew:     cfg.MaxClockSkew,
-		TooOld:           g.tooOld,
-		StatementTimeout: cfg.StatementTimeout,
+		DB:                 g.db,
+		ConsumerGroup:      g.name,
+		Key:                decodedKey,
+		Fingerprint:        decodedFingerprint,
+		Schema:             cfg.Schema.Schema,
+		Table:              cfg.Schema.ClaimTable,
+		MaxEventAge:        cfg.MaxEventAge,
+		MaxClockSkew:       cfg.MaxClockSkew,
+		TooOld:             g.tooOld,
+		StatementTimeout:   cfg.StatementTimeout,
+		TxStatementTimeout: cfg.TxStatementTimeout,
 		// No pause inside an attempt outlasts the attempt itself.
 		IdleInTransactionTimeout: cfg.AttemptTimeout + cfg.StatementTimeout,
 		OnResult:                 cfg.OnResult,
@@ -551,4 +560,29 @@ func delivery(topic, group string, msg *message.Message) Delivery {
 
 func kafkaLogAttrs(msg *message.Message) []any {
 	return []any{"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset)}
+}
+
+// producerCloseTimeout bounds how long closing waits for the producer's
+// messages in flight: a dead letter or outbox send abandoned at shutdown
+// (its row stays, and is sent again later) may wait on a broker that
+// neither answers nor fails, for every retry of every request.
+const producerCloseTimeout = 5 * time.Second
+
+// closeProducer closes producer, and its client after d at the latest,
+// which fails what the producer still waits for.
+func closeProducer(producer sarama.SyncProducer, client sarama.Client, d time.Duration) error {
+	done := make(chan error, 1)
+	go func() { done <- producer.Close() }()
+	select {
+	case err := <-done:
+		return errors.Join(err, client.Close())
+	case <-time.After(d):
+		cerr := client.Close()
+		select {
+		case err := <-done:
+			return errors.Join(err, cerr)
+		case <-time.After(d):
+			return errors.Join(errors.New("pipeline: the Kafka producer did not close; left behind"), cerr)
+		}
+	}
 }

@@ -20,6 +20,9 @@ import (
 // two topics share (billing reads orders and their cancellations) is one
 // member of the Kafka group, not two that rebalance each other at every
 // start. Each topic is fed to its own channel (its handler in the router).
+// The price of one member: a topic the group can no longer read (deleted,
+// its ACL revoked) fails the group's join, and its other topics wait with
+// it, logged at every try, until it is fixed.
 //
 // It keeps up to a topic's window of messages of each partition in flight,
 // and marks a partition's offset only up to its first message not
@@ -54,6 +57,18 @@ type subscriber struct {
 	closing   chan struct{}
 	closeOnce sync.Once
 	running   sync.WaitGroup
+	// closeTimeout bounds Close's wait for the group to leave.
+	closeTimeout time.Duration
+}
+
+// closeFeed closes f's channel once: its handler in the router ends.
+func (f *feed) close() {
+	f.outMu.Lock()
+	defer f.outMu.Unlock()
+	if !f.outClosed {
+		f.outClosed = true
+		close(f.out)
+	}
 }
 
 // feed is one topic of a group's session.
@@ -64,6 +79,12 @@ type feed struct {
 	// the router, in its partition's order (a batched group's ordering).
 	onSend func(*message.Message)
 	out    chan *message.Message
+	// outMu orders sends on out against its close: the channel closes as
+	// soon as the subscription ends, while sarama may still be winding the
+	// session down (its last offset commit, on a broker that does not
+	// answer, takes minutes), and no send may follow.
+	outMu     sync.RWMutex
+	outClosed bool
 	// subscribed: its handler asked for it; joined: a session has begun
 	// since; assigned: the current session's partitions of the topic (nil
 	// between sessions).
@@ -125,7 +146,12 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	cg, err := sarama.NewConsumerGroup(s.brokers, s.group, s.config)
 	if err != nil {
+		// The topics subscribed before this one would wait for a session
+		// that never begins: their channels close, and their handlers end.
 		s.cancel()
+		for _, other := range s.feeds {
+			other.close()
+		}
 		return nil, fmt.Errorf("kafka consumer group %s on %v: %w", s.group, s.brokers, err)
 	}
 	s.running.Add(1)
@@ -141,11 +167,12 @@ func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
 		topics = append(topics, t)
 	}
 	slices.Sort(topics)
-	defer func() {
+	closeFeeds := func() {
 		for _, f := range s.feeds {
-			close(f.out)
+			f.close()
 		}
-	}()
+	}
+	defer closeFeeds()
 	defer s.cancel()
 	go func() {
 		select {
@@ -153,6 +180,8 @@ func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
 			s.cancel()
 		case <-ctx.Done():
 		}
+		// The handlers end now, whatever sarama still waits for.
+		closeFeeds()
 	}()
 	errorsDone := make(chan struct{})
 	go func() {
@@ -181,11 +210,25 @@ func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
 	<-errorsDone
 }
 
-// Close stops every subscription and waits for them to leave the group.
+// Close stops every subscription and waits for them to leave the group,
+// for closeTimeout at most: a broker that does not answer would hold the
+// group's last offset commit for minutes. Offsets not committed then are
+// delivered again, and their claims skip them.
 func (s *subscriber) Close() error {
 	s.closeOnce.Do(func() { close(s.closing) })
-	s.running.Wait()
-	return nil
+	left := make(chan struct{})
+	go func() { s.running.Wait(); close(left) }()
+	timeout := s.closeTimeout
+	if timeout <= 0 {
+		timeout = 30 * time.Second
+	}
+	select {
+	case <-left:
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("pipeline: consumer group %s did not leave within %s (the broker does not answer); "+
+			"offsets it had not committed yet are delivered again, and skipped", s.group, timeout)
+	}
 }
 
 type claimHandler struct {
@@ -342,6 +385,11 @@ func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context
 // handOut gives msg to the router, announced first (a batched group's
 // ordering): the router may run it at once.
 func (h *claimHandler) handOut(f *feed, msg *message.Message, owner context.Context) bool {
+	f.outMu.RLock()
+	defer f.outMu.RUnlock()
+	if f.outClosed {
+		return false
+	}
 	if f.onSend != nil {
 		f.onSend(msg)
 	}
@@ -393,8 +441,9 @@ func revokedOf(msg *message.Message) <-chan struct{} {
 }
 
 // NewSubscriber returns the pipeline's Kafka subscriber for one consumer
-// group, on its own: at most window messages of a partition in flight,
-// offsets committed every second up to the first unacknowledged message.
+// group on one topic, on its own: at most window messages of a partition in
+// flight, offsets committed every second up to the first unacknowledged
+// message. It is subscribed once, to one topic.
 // Pipelines make their own; this is for tools that measure the pipeline
 // against the bare subscriber, and for chains built by hand.
 func NewSubscriber(brokers []string, group, kafkaVersion string, sec KafkaSecurity, window int, logger *slog.Logger) (message.Subscriber, error) {

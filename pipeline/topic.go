@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -197,26 +198,70 @@ type CanonicalEvent interface {
 	CanonicalJSON() ([]byte, error)
 }
 
-// fingerprintOf is what a claim stores of ev: a re-published event in
-// another byte form (member order, a time zone offset, 12.5 or "12.50")
-// decodes to the same values and so has the same fingerprint, while other
-// values under the same id are a payload mismatch.
-func fingerprintOf(ev any) ([32]byte, error) {
-	if c, ok := ev.(CanonicalEvent); ok {
-		b, err := c.CanonicalJSON()
-		if err != nil {
-			return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+// fingerprinterOf is how a claim fingerprints the values of an E (see
+// idempotency.Config.Fingerprint): a re-published event in another byte
+// form (member order, a time zone offset, 12.5 or "12.50") decodes to the
+// same values and so has the same fingerprint, while other values under the
+// same id are a payload mismatch.
+//
+//   - a [CanonicalEvent]: its CanonicalJSON;
+//   - a type whose values encoding/json can see (a MarshalJSON on the value,
+//     or exported fields): json.Marshal of the decoded event, made
+//     canonical by idempotency.CanonicalJSON;
+//   - any other (unexported fields behind getters, a MarshalJSON on the
+//     pointer only): json.Marshal would write {} for every event, and every
+//     reused id would pass for a duplicate; the payload's own JSON, made
+//     canonical, stands in for the values.
+func fingerprinterOf[E Event]() func(ev E, payload []byte) ([32]byte, error) {
+	t := reflect.TypeFor[E]()
+	switch {
+	case t.Implements(reflect.TypeFor[CanonicalEvent]()):
+		return func(ev E, _ []byte) ([32]byte, error) {
+			b, err := any(ev).(CanonicalEvent).CanonicalJSON()
+			if err != nil {
+				return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+			}
+			return sha256.Sum256(b), nil
 		}
-		return sha256.Sum256(b), nil
+	case t.Implements(reflect.TypeFor[json.Marshaler]()) || hasJSONFields(t):
+		return func(ev E, _ []byte) ([32]byte, error) {
+			b, err := json.Marshal(ev)
+			if err == nil {
+				b, err = idempotency.CanonicalJSON(b)
+			}
+			if err != nil {
+				return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+			}
+			return sha256.Sum256(b), nil
+		}
+	default:
+		return func(_ E, payload []byte) ([32]byte, error) {
+			b, err := idempotency.CanonicalJSON(payload)
+			if err != nil {
+				return sha256.Sum256(payload), nil // not JSON: its bytes are its values
+			}
+			return sha256.Sum256(b), nil
+		}
 	}
-	b, err := json.Marshal(ev)
-	if err == nil {
-		b, err = idempotency.CanonicalJSON(b)
+}
+
+// hasJSONFields reports whether encoding/json writes any field of t.
+func hasJSONFields(t reflect.Type) bool {
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
 	}
-	if err != nil {
-		return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+	if t.Kind() != reflect.Struct {
+		return t.Kind() != reflect.Interface // a named string, number or slice marshals its value
 	}
-	return sha256.Sum256(b), nil
+	for f := range t.Fields() {
+		if f.IsExported() && f.Tag.Get("json") != "-" {
+			return true
+		}
+		if f.Anonymous && hasJSONFields(f.Type) {
+			return true
+		}
+	}
+	return false
 }
 
 func (t Topic[E]) binding() (topicBinding, error) {
@@ -237,13 +282,14 @@ func (t Topic[E]) binding() (topicBinding, error) {
 	if len(t.Groups) == 0 {
 		errs = append(errs, fmt.Errorf("pipeline: topic %s: no consumer groups", t.Name))
 	}
+	fingerprint := fingerprinterOf[E]()
 	decode := func(payload []byte) (decoded, error) {
 		ev, err := t.Decode(payload)
 		if err != nil {
 			return decoded{}, err
 		}
 		d := decoded{id: ev.EventID(), value: ev}
-		d.fingerprint, d.fingerprintErr = fingerprintOf(ev)
+		d.fingerprint, d.fingerprintErr = fingerprint(ev, payload)
 		return d, nil
 	}
 	seen := map[string]bool{}

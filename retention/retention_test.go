@@ -416,3 +416,36 @@ func TestProcessesAgreeOnTheRetention(t *testing.T) {
 		t.Fatalf("a disagreement on a read-only database: %v; want refused", err)
 	}
 }
+
+// The maintenance lease: a pass finds a live lease of another instance and
+// reports Busy, changing nothing; once that lease has run out (its holder
+// died mid-pass) a pass takes it and works; a pass releases its own lease,
+// so the next one need not wait for it.
+func TestTheMaintenanceLease(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(ctx, pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	now := at("2025-03-10T12:00:00Z")
+	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Now: func() time.Time { return now }}
+	lease := names.Schema + "." + schema.LeaseTable
+	if _, err := pool.Exec(ctx, `INSERT INTO `+lease+` (name, holder, until) VALUES ($1, $2, now() + interval '1 hour')`,
+		"retention:"+names.Schema+"."+names.ClaimTable, uuid.New()); err != nil {
+		t.Fatal(err)
+	}
+	if rep := run(t, cfg); !rep.Busy || len(rep.Created) != 0 {
+		t.Fatalf("with another instance's live lease: %+v; want Busy and nothing done", rep)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE `+lease+` SET until = now() - interval '1 second'`); err != nil {
+		t.Fatal(err)
+	}
+	if rep := run(t, cfg); rep.Busy || len(rep.Created) != 3 {
+		t.Fatalf("after the other's lease ran out: %+v; want the pass done", rep)
+	}
+	if rep := run(t, cfg); rep.Busy {
+		t.Fatalf("right after a pass: %+v; want its lease released", rep)
+	}
+}

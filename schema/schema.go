@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc64"
+	"maps"
 	"regexp"
 	"time"
 
@@ -248,6 +249,11 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
     holder uuid        NOT NULL,
     until  timestamptz NOT NULL
 )`),
+		// 7: a claim's fingerprint of its event's values in canonical form,
+		// beside payload_sha256 of its bytes: a re-published event in another
+		// byte form is a duplicate (idempotency.Config.Fingerprint). NULL in
+		// claims made before it.
+		up(7, `ALTER TABLE `+pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()+` ADD COLUMN IF NOT EXISTS values_sha256 bytea`),
 	}, nil
 }
 
@@ -276,7 +282,7 @@ func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
 	if exists && !partitioned {
 		// A plain claim table (the reference service's first migration):
 		// it becomes the default partition of a new partitioned table.
-		if err := checkColumns(ctx, tx, cfg.Schema, cfg.ClaimTable); err != nil {
+		if err := checkColumns(ctx, tx, cfg.Schema, cfg.ClaimTable, claimColumns); err != nil {
 			return err
 		}
 		stmts = append(stmts,
@@ -289,8 +295,9 @@ func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
 		`CREATE TABLE IF NOT EXISTS `+claims+` (
     event_id       uuid        NOT NULL,
     consumer_group text        NOT NULL,
-    -- SHA-256 of the payload first claimed: the same id with other bytes is
-    -- a producer bug, not a duplicate.
+    -- SHA-256 of the payload's bytes first claimed (migration 7 adds
+    -- values_sha256, of its values): the same id with other values is a
+    -- producer bug, not a duplicate.
     payload_sha256 bytea       NOT NULL,
     processed_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_id, consumer_group)
@@ -316,9 +323,13 @@ type queryer interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
-func checkColumns(ctx context.Context, q queryer, schema, table string) error {
+// claimColumns are the claim table's columns as migration 1 made them;
+// migration 7 adds values_sha256.
+var claimColumns = map[string]string{"event_id": "uuid", "consumer_group": "text", "payload_sha256": "bytea", "processed_at": "timestamp with time zone"}
+
+func checkColumns(ctx context.Context, q queryer, schema, table string, want map[string]string) error {
 	var missing []string
-	for col, typ := range map[string]string{"event_id": "uuid", "consumer_group": "text", "payload_sha256": "bytea", "processed_at": "timestamp with time zone"} {
+	for col, typ := range want {
 		var got string
 		err := q.QueryRowContext(ctx, `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
 			WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped`, pgx.Identifier{schema, table}.Sanitize(), col).Scan(&got)
@@ -355,7 +366,9 @@ func Check(ctx context.Context, db *pgxpool.Pool, cfg Config) error {
 	cfg.setDefaults()
 	sqlDB := stdlib.OpenDBFromPool(db)
 	defer sqlDB.Close()
-	if err := checkColumns(ctx, sqlDB, cfg.Schema, cfg.ClaimTable); err != nil {
+	want := maps.Clone(claimColumns)
+	want["values_sha256"] = "bytea"
+	if err := checkColumns(ctx, sqlDB, cfg.Schema, cfg.ClaimTable, want); err != nil {
 		return err
 	}
 	var strategy, column string

@@ -299,21 +299,22 @@ func (s *serveCmd) Run(ctx context.Context, d deps) (err error) {
 
 	var commits, forwards atomic.Int64
 	cfg := pipeline.Config{
-		Brokers:          s.Kafka.Brokers,
-		KafkaVersion:     s.Kafka.KafkaVersion,
-		Security:         s.Kafka.security,
-		DB:               pool,
-		Topics:           bindings,
-		MaxEventAge:      s.Retention.Retention - s.MaxClockSkew,
-		MaxClockSkew:     s.MaxClockSkew,
-		CommitMode:       pipeline.CommitMode(s.CommitMode),
-		CommitInterval:   s.CommitInt,
-		HoldMaxBackoff:   s.HoldMax,
-		StatementTimeout: s.DB.StatementTimeout,
-		AttemptTimeout:   s.AttemptTimeout,
-		Logger:           d.log,
-		SessionTimeout:   s.SessionTimeout,
-		CloseTimeout:     s.DrainTimeout,
+		Brokers:            s.Kafka.Brokers,
+		KafkaVersion:       s.Kafka.KafkaVersion,
+		Security:           s.Kafka.security,
+		DB:                 pool,
+		Topics:             bindings,
+		MaxEventAge:        s.Retention.Retention - s.MaxClockSkew,
+		MaxClockSkew:       s.MaxClockSkew,
+		CommitMode:         pipeline.CommitMode(s.CommitMode),
+		CommitInterval:     s.CommitInt,
+		HoldMaxBackoff:     s.HoldMax,
+		StatementTimeout:   s.DB.StatementTimeout,
+		TxStatementTimeout: s.DB.StatementTimeout,
+		AttemptTimeout:     s.AttemptTimeout,
+		Logger:             d.log,
+		SessionTimeout:     s.SessionTimeout,
+		CloseTimeout:       s.DrainTimeout,
 		OnResult: func(r idempotency.Result) {
 			d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
 			if r.Outcome == idempotency.Processed && s.KillAfterCommit > 0 && commits.Add(1) == int64(s.KillAfterCommit) {

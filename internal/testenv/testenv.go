@@ -10,7 +10,9 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -329,4 +331,68 @@ func PoolAt(t testing.TB, databaseURL string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// RepoRoot is the repository's top directory.
+func RepoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Dir(filepath.Dir(filepath.Dir(file)))
+}
+
+// RequireDevService skips a test that breaks a service unless the service
+// is the one dev/<script>.sh runs (under dev/test.sh it must be: then it
+// fails instead); a test must never break a service of yours.
+func RequireDevService(t testing.TB, script string) {
+	t.Helper()
+	if err := exec.Command(filepath.Join(RepoRoot(), "dev", script+".sh"), "status").Run(); err != nil {
+		if os.Getenv("ONCE_REQUIRE_SERVICES") != "" && os.Getenv("ONCE_EXTERNAL_SERVICES") == "" {
+			t.Fatalf("dev/%s.sh is not running, but the suite runs under dev/test.sh", script)
+		}
+		t.Skipf("the service is not the one dev/%s.sh runs; this test breaks it and cannot break yours", script)
+	}
+}
+
+// DevService runs dev/<script>.sh with args, failing the test if it fails.
+func DevService(t testing.TB, script string, args ...string) {
+	t.Helper()
+	out, err := exec.Command(filepath.Join(RepoRoot(), "dev", script+".sh"), args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dev/%s.sh %v: %v\n%s", script, args, err, out)
+	}
+}
+
+// WaitForKafka waits until the brokers take a new topic and a message on it
+// again (after a test paused or killed one), so that the tests after it
+// meet a broker at work.
+func WaitForKafka(t testing.TB, brokers []string, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		err := func() error {
+			admin, err := sarama.NewClusterAdmin(brokers, saramaConfig())
+			if err != nil {
+				return err
+			}
+			defer admin.Close()
+			topic := "test.kafka-ready." + uuid.NewString()[:8]
+			if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+				return err
+			}
+			defer admin.DeleteTopic(topic)
+			p, err := sarama.NewSyncProducer(brokers, saramaConfig())
+			if err != nil {
+				return err
+			}
+			defer p.Close()
+			_, _, err = p.SendMessage(&sarama.ProducerMessage{Topic: topic, Value: sarama.StringEncoder("ready?")})
+			return err
+		}()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Kafka did not come back within %s: %v", timeout, err)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 }

@@ -20,16 +20,16 @@ import (
 // take their row locks in the same order and cannot deadlock.
 //
 // %s: the claim table, then the retention policy table (see claimSQL).
-const claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-SELECT u.k, $2, u.h FROM (SELECT ` + bounds + `) AS bounded,
-  unnest($1::uuid[], $3::bytea[]) AS u(k, h)
+const claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
+SELECT u.k, $2, u.h, u.v FROM (SELECT ` + bounds + `) AS bounded,
+  unnest($1::uuid[], $3::bytea[], $7::bytea[]) AS u(k, h, v)
 ORDER BY u.k
 ON CONFLICT (event_id, consumer_group) DO NOTHING
 RETURNING event_id, processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
 
 // storedHashesSQL reads the claims a batch did not insert, in a statement of
 // its own for a fresh snapshot (see storedHashSQL).
-const storedHashesSQL = `SELECT event_id, payload_sha256 FROM %s
+const storedHashesSQL = `SELECT event_id, payload_sha256, values_sha256 FROM %s
 WHERE consumer_group = $2 AND event_id = ANY($1)`
 
 // ErrRunAlone is the result of a message whose batch could not decide it:
@@ -53,8 +53,8 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Messag
 //   - nil: the message is done (processed in the committed batch, or a
 //     duplicate);
 //   - a permanent error: an invalid key, or [ErrPayloadMismatch];
-//   - [ErrRunAlone] (wrapping why the batch failed, when it did): run the
-//     message through [Middleware.Middleware].
+//   - [ErrRunAlone] (a [*RunAloneError] with why the batch failed, when it
+//     did): run the message through [Middleware.Middleware].
 //
 // A failing batch never decides a message it could not prove: one bad event
 // costs its batch a rollback, and each of the batch's events is then run on
@@ -77,7 +77,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	sums := make([]fingerprints, len(msgs))
 	first := map[uuid.UUID]int{} // a key's first message in the batch
 	var batchKeys []uuid.UUID
-	var batchSums [][]byte
+	var batchSums, batchValues [][]byte
 	for i, msg := range msgs {
 		key, err := m.cfg.Key(msg)
 		if err == nil && (key.Version() != 7 || key.Variant() != uuid.RFC4122) {
@@ -93,7 +93,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 			errs[i] = ErrRunAlone
 			continue
 		}
-		keys[i], sums[i] = key, fingerprints{canonical: sum[:], raw: rawSum(sum, msg)}
+		keys[i], sums[i] = key, fingerprintsOf(sum, msg)
 		if _, seen := first[key]; seen {
 			// The same event twice in one batch: its first copy decides
 			// it, and this one finds that claim when run on its own.
@@ -102,7 +102,8 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		}
 		first[key] = i
 		batchKeys = append(batchKeys, key)
-		batchSums = append(batchSums, sums[i].canonical)
+		batchSums = append(batchSums, sums[i].raw)
+		batchValues = append(batchValues, sums[i].values)
 	}
 	if len(batchKeys) == 0 {
 		return errs
@@ -123,14 +124,14 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		m.cfg.Logger.Warn("batch: begin failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return runAlone()
 	}
-	committed := false
+	committed, committedOK := false, false
 	defer func() {
 		if !committed {
 			m.rollback(ctx, tx)
 		}
 	}()
 
-	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable, m.stmtLimit)
+	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable, m.stmtLimit, batchValues)
 	if err != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return runAlone()
@@ -162,31 +163,31 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		}
 	}
 	if len(unclaimed) > 0 {
-		stored := map[uuid.UUID][]byte{}
+		stored := map[uuid.UUID]fingerprints{}
 		rows, err := tx.Query(stmtCtx, m.storedHashesSQL, uuidParams(unclaimed), m.cfg.ConsumerGroup)
 		if err != nil {
 			return runAlone()
 		}
 		for rows.Next() {
 			var key pgtype.UUID
-			var sum []byte
-			if err := rows.Scan(&key, &sum); err != nil {
+			var f fingerprints
+			if err := rows.Scan(&key, &f.raw, &f.values); err != nil {
 				rows.Close()
 				return runAlone()
 			}
-			stored[key.Bytes] = sum
+			stored[key.Bytes] = f
 		}
 		if rows.Err() != nil {
 			return runAlone()
 		}
 		for _, key := range unclaimed {
 			i := first[key]
-			switch sum, ok := stored[key]; {
+			switch f, ok := stored[key]; {
 			case !ok:
 				// Not inserted and not there: a claim deleted in between
 				// (retention). The message's own run decides it.
 				errs[i] = ErrRunAlone
-			case !sums[i].match(sum):
+			case !sums[i].match(f.raw, f.values):
 				err := Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 				m.log(msgs[i], slog.LevelError, "event id reused with a different payload", key, "err", err)
 				report(i, key, PayloadMismatch, err)
@@ -222,7 +223,22 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 
 	if len(claimed) > 0 {
 		handling := time.Now()
-		err := runBatchHandler(ContextWithTx(ctx, tx), tx, claimed, h)
+		handlerCtx, batchEffects := withAttempt(ContextWithTx(ctx, tx))
+		defer func() {
+			// The batch rolled back after an effect outside it: each of its
+			// events carries the mark into its own run, where nothing is
+			// permanent until its record commits.
+			if effects := batchEffects.happened(); len(effects) > 0 && !committedOK {
+				for _, msg := range claimed {
+					if a, ok := msg.Context().Value(attemptKey{}).(*attemptEffects); ok {
+						for _, what := range effects {
+							a.mark(what)
+						}
+					}
+				}
+			}
+		}()
+		err := runBatchHandler(handlerCtx, tx, claimed, h)
 		handle = time.Since(handling)
 		if err != nil {
 			if isSerializationFailure(err) {
@@ -250,6 +266,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		m.cfg.Logger.Warn("batch: commit failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
 		return m.undecide(errs, claimedIdx, err)
 	}
+	committedOK = true
 	for _, i := range claimedIdx {
 		report(i, keys[i], Processed, nil)
 	}
@@ -273,14 +290,34 @@ func runBatchHandler(ctx context.Context, tx pgx.Tx, claimed []*message.Message,
 // with why the batch failed; what the batch proved from committed claims
 // (duplicates, mismatches) stands.
 func (m *Middleware) undecide(errs []error, claimedIdx []int, cause error) []error {
-	runAlone := fmt.Errorf("%w: %w", ErrRunAlone, cause)
+	runAlone := &RunAloneError{Cause: cause}
 	for _, i := range claimedIdx {
 		errs[i] = runAlone
 	}
 	return errs
 }
 
+// RunAloneError is [ErrRunAlone] with why the batch failed (its Cause). It
+// is never permanent, whatever its cause: the event that failed the batch
+// decides its own fate when it runs on its own, and the others are innocent.
+type RunAloneError struct {
+	Cause error
+}
+
+func (e *RunAloneError) Error() string { return fmt.Sprintf("%v: %v", ErrRunAlone, e.Cause) }
+
+// Unwrap is ErrRunAlone only: the cause stays out of errors.Is and
+// errors.As, so that a permanent cause never makes the message permanent.
+func (e *RunAloneError) Unwrap() error { return ErrRunAlone }
+
 // IsDeadlock reports whether err is PostgreSQL's deadlock (40P01) or
-// serialization failure (40001): a conflict with another transaction that
-// the same work passes when tried again.
-func IsDeadlock(err error) bool { return isSerializationFailure(err) }
+// serialization failure (40001), or a [RunAloneError] whose batch failed with
+// one: a conflict with another transaction that the same work passes when
+// tried again.
+func IsDeadlock(err error) bool {
+	var r *RunAloneError
+	if errors.As(err, &r) {
+		err = r.Cause
+	}
+	return isSerializationFailure(err)
+}

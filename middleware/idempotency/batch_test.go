@@ -348,3 +348,20 @@ func TestADeadlockedBatchSaysSo(t *testing.T) {
 		t.Fatalf("%d batches deadlocked, %d committed; want 1 and 1", deadlocked, committed)
 	}
 }
+
+// A batch that one event's permanent verdict failed returns ErrRunAlone for
+// each of its events, and none of them is permanent: the innocent ones must
+// not be dead-lettered by a router that asks IsPermanent first (review
+// finding: the cause was wrapped, and its Permanent method showed through).
+func TestAFailedBatchsEventsAreNotPermanent(t *testing.T) {
+	pool := setup(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+	_, msgs := newEvents(t, 3)
+	for i, err := range m.ProcessBatch(context.Background(), msgs, func(context.Context, pgx.Tx, []*message.Message) error {
+		return idempotency.Permanent(errors.New("one bad event"))
+	}) {
+		if !errors.Is(err, idempotency.ErrRunAlone) || idempotency.IsPermanent(err) {
+			t.Fatalf("event %d: %v (permanent %t); want ErrRunAlone, not permanent", i, err, idempotency.IsPermanent(err))
+		}
+	}
+}

@@ -146,21 +146,20 @@ func canonicalNumber(n string) string {
 	return sign + trimmed + "e" + strconv.FormatInt(exp, 10)
 }
 
-// fingerprints are what a stored claim's payload_sha256 may be for the
-// same event: its canonical fingerprint, which new claims store, or the
-// SHA-256 of its payload bytes, which releases before fingerprints stored.
+// fingerprints are what a claim stores of its event: the SHA-256 of the
+// payload's bytes (payload_sha256) and of its values in canonical form
+// (values_sha256).
 type fingerprints struct {
-	canonical, raw []byte
+	raw, values []byte
 }
 
-func rawSum(canonical [32]byte, msg *message.Message) []byte {
+func fingerprintsOf(values [32]byte, msg *message.Message) fingerprints {
 	raw := sha256.Sum256(msg.Payload)
-	if raw == canonical {
-		return nil
-	}
-	return raw[:]
+	return fingerprints{raw: raw[:], values: values[:]}
 }
 
-func (f fingerprints) match(stored []byte) bool {
-	return bytes.Equal(stored, f.canonical) || (f.raw != nil && bytes.Equal(stored, f.raw))
+// match: the same bytes, or the same values (a claim from a release that
+// stored no values fingerprint has only its bytes).
+func (f fingerprints) match(storedRaw, storedValues []byte) bool {
+	return bytes.Equal(storedRaw, f.raw) || (storedValues != nil && bytes.Equal(storedValues, f.values))
 }

@@ -16,16 +16,37 @@ import (
 // moved and only its record is missing, so the message is held and tried
 // again until its record commits, never dead-lettered. An error marked
 // [Permanent] after the mark (a write refused, a bug) is reported with
-// [ErrAfterExternalEffect]. [RejectAfterCommit] still dead-letters: its
-// record commits with the claim first. The next attempt repeats the call;
+// [ErrAfterExternalEffect], as is every other error after it.
+// [RejectAfterCommit] still dead-letters: its record commits with the claim
+// first. The next attempt repeats the call;
 // give the effect its own idempotency (an Idempotency-Key equal to the
 // event id, R-KFK-IDEM-4) so that it happens once.
+//
+// The mark holds for every later attempt of the same delivery when the
+// router gives each delivery a record of its own ([WithDelivery]; package
+// pipeline does): the horizon no longer refuses it either, since its record
+// must commit. Without one, it holds for the rest of this call.
 //
 // Outside the middleware (ctx carries no attempt) it does nothing.
 func MarkExternalEffect(ctx context.Context, what string) {
 	if a, ok := ctx.Value(attemptKey{}).(*attemptEffects); ok {
 		a.mark(what)
 	}
+}
+
+// WithDelivery returns ctx with a record of one delivery's external effects
+// that lasts across its attempts: a router that tries a held message again
+// calls it once per delivery, before the first attempt.
+func WithDelivery(ctx context.Context) context.Context {
+	return context.WithValue(ctx, attemptKey{}, &attemptEffects{})
+}
+
+// effectsOf is the delivery's record in ctx, or a new one for this call.
+func effectsOf(ctx context.Context) (context.Context, *attemptEffects) {
+	if a, ok := ctx.Value(attemptKey{}).(*attemptEffects); ok {
+		return ctx, a
+	}
+	return withAttempt(ctx)
 }
 
 // ErrAfterExternalEffect is wrapped by the error of an attempt that failed,

@@ -44,13 +44,13 @@ import (
 // handler took) until TCP keepalive notices, two hours by default, and the
 // partition's next owner would wait on it all that time.
 //
-// Both bounds, and statement_timeout ($6, Config.StatementTimeout) for every
+// Both bounds, and statement_timeout ($6, Config.TxStatementTimeout) for every
 // statement of the transaction, are set for this transaction only: behind a
 // transaction pooler (PgBouncer) a session setting would stay on a server
 // connection that the next transaction of another client gets, and a
 // setting in the connection's start-up packet is refused by the pooler.
-const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256)
-SELECT $1, $2, $3 FROM (SELECT ` + bounds + `) AS bounded
+const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
+SELECT $1, $2, $3, $7 FROM (SELECT ` + bounds + `) AS bounded
 ON CONFLICT (event_id, consumer_group) DO NOTHING
 RETURNING processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
 
@@ -64,7 +64,7 @@ const bounds = durable.RaiseSynchronousCommit + `,
 // storedHashSQL runs as its own statement, after the claim, on purpose: at
 // READ COMMITTED it takes a fresh snapshot and so sees a claim committed while
 // claimSQL waited, which a CTE sharing claimSQL's snapshot would not.
-const storedHashSQL = `SELECT payload_sha256 FROM %s
+const storedHashSQL = `SELECT payload_sha256, values_sha256 FROM %s
 WHERE event_id = $1 AND consumer_group = $2`
 
 // TxBeginner begins the transaction of one message. *pgxpool.Pool implements it.
@@ -84,15 +84,16 @@ type Config struct {
 	// Key extracts the dedup key; it must be a UUIDv7. Default: [PayloadEventID].
 	Key KeyFunc
 
-	// Fingerprint is the SHA-256 of what the event says, stored with its
-	// claim: a later delivery under the same id with another fingerprint is
-	// [ErrPayloadMismatch], one with the same is a duplicate. Make it a hash
-	// of the event's decoded values in a canonical form, so that a
-	// re-published event in another byte form (member order, a time zone
-	// offset, 12.5 or "12.50") is a duplicate; package pipeline does. A
-	// claim stored with the hash of the payload's bytes (the default, and
-	// what releases before fingerprints stored) matches that hash too.
-	// Default: [PayloadSHA256].
+	// Fingerprint is the SHA-256 of what the event says, in a canonical
+	// form, stored with its claim beside the SHA-256 of the payload's bytes.
+	// A later delivery under the same id is a duplicate when either matches
+	// (the same bytes, or the same values in another byte form: member
+	// order, a time zone offset, 12.5 or "12.50"), and [ErrPayloadMismatch]
+	// when neither does. The bytes' hash keeps a redelivery a duplicate when
+	// the values' form changed in between (a field added to the event's
+	// type, a rolling deploy); a claim from a release that stored no
+	// fingerprint matches its bytes. Package pipeline fingerprints the
+	// decoded event. Default: [PayloadSHA256].
 	Fingerprint func(msg *message.Message) ([32]byte, error)
 
 	// Schema and Table name the claim table, created by package schema.
@@ -113,11 +114,14 @@ type Config struct {
 	// StatementTimeout bounds each of the middleware's own statements (begin,
 	// claim, reading a claim) on the client's side: a database that went
 	// silent (a network black hole) answers nothing and would hold an attempt
-	// for as long as TCP does. On the server's side it is the
-	// statement_timeout of every statement of the claim's transaction, the
-	// handler's included, set for that transaction only. Default: 30s.
-	// Negative: no client bound, and the server's own statement_timeout.
+	// for as long as TCP does. Default: 30s.
 	StatementTimeout time.Duration
+
+	// TxStatementTimeout is the statement_timeout of every statement of the
+	// claim's transaction on the server, the handler's included, set for
+	// that transaction only (a pooler keeps no session setting). Default:
+	// StatementTimeout. Negative: the server's own.
+	TxStatementTimeout time.Duration
 
 	// IdleInTransactionTimeout is how long the server lets the claim's
 	// transaction sit idle (between the handler's statements) before it ends
@@ -196,6 +200,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.StatementTimeout == 0 {
 		c.StatementTimeout = 30 * time.Second
+	}
+	if c.TxStatementTimeout == 0 {
+		c.TxStatementTimeout = c.StatementTimeout
 	}
 	if c.FinishTimeout == 0 {
 		c.FinishTimeout = 10 * time.Second
@@ -332,7 +339,7 @@ func New(cfg Config) (*Middleware, error) {
 	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
 	return &Middleware{cfg: cfg, claimSQL: fmt.Sprintf(claimSQL, table, policy), storedSQL: fmt.Sprintf(storedHashSQL, table),
 		claimBatchSQL: fmt.Sprintf(claimBatchSQL, table, policy), storedHashesSQL: fmt.Sprintf(storedHashesSQL, table),
-		idleLimit: milliseconds(cfg.IdleInTransactionTimeout), stmtLimit: milliseconds(cfg.StatementTimeout),
+		idleLimit: milliseconds(cfg.IdleInTransactionTimeout), stmtLimit: milliseconds(cfg.TxStatementTimeout),
 		claimTable: cfg.Schema + "." + cfg.Table}, nil
 }
 
@@ -381,10 +388,14 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			report(Failed, err)
 			return nil, err
 		}
-		sums := fingerprints{canonical: sum[:], raw: rawSum(sum, msg)}
+		sums := fingerprintsOf(sum, msg)
+		deliveryCtx, effects := effectsOf(msg.Context())
+		orig := msg.Context()
+		msg.SetContext(deliveryCtx)
+		defer msg.SetContext(orig)
 
 		for serializationRetries := 0; ; serializationRetries++ {
-			outcome, produced, err := m.attempt(msg, h, key, sums, &res)
+			outcome, produced, err := m.attempt(msg, h, key, sums, effects, &res)
 			if err != nil && isSerializationFailure(err) && serializationRetries < m.cfg.SerializationRetries {
 				continue
 			}
@@ -428,7 +439,7 @@ func uuidV7Time(id uuid.UUID) time.Time {
 // attempt runs one transaction: claim, then either skip or run the handler and
 // commit. The deferred rollback also covers a panicking handler, so a panic
 // leaves no claim behind before it unwinds to the recoverer.
-func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sums fingerprints, res *Result) (_ Outcome, _ []*message.Message, err error) {
+func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sums fingerprints, effects *attemptEffects, res *Result) (_ Outcome, _ []*message.Message, err error) {
 	res.Claim, res.Handle, res.Commit = 0, 0, 0
 	began := time.Now()
 	msgCtx := msg.Context()
@@ -449,14 +460,14 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 	var retentionSeconds pgtype.Int8
 	stmtCtx, cancel = context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
 	defer cancel()
-	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sums.canonical, m.idleLimit, m.claimTable, m.stmtLimit).Scan(&claimedAt, &retentionSeconds)
+	err = tx.QueryRow(stmtCtx, m.claimSQL, uuidParam(key), m.cfg.ConsumerGroup, sums.raw, m.idleLimit, m.claimTable, m.stmtLimit, sums.values).Scan(&claimedAt, &retentionSeconds)
 	res.Claim = time.Since(began)
 	if errors.Is(err, pgx.ErrNoRows) {
-		var stored []byte
-		if err := tx.QueryRow(stmtCtx, m.storedSQL, uuidParam(key), m.cfg.ConsumerGroup).Scan(&stored); err != nil {
+		var storedRaw, storedValues []byte
+		if err := tx.QueryRow(stmtCtx, m.storedSQL, uuidParam(key), m.cfg.ConsumerGroup).Scan(&storedRaw, &storedValues); err != nil {
 			return 0, nil, fmt.Errorf("idempotency: read claim %s for %s: %w", key, m.cfg.ConsumerGroup, err)
 		}
-		if !sums.match(stored) {
+		if !sums.match(storedRaw, storedValues) {
 			return PayloadMismatch, nil, Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 		}
 		// Claimed before: a duplicate, whatever its age.
@@ -471,11 +482,17 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		claimedAt = m.cfg.Now()
 	}
 	if err := m.checkHorizon(key, claimedAt, m.maxAge(retentionSeconds)); err != nil {
-		return OutsideHorizon, nil, err
+		if happened := effects.happened(); len(happened) > 0 {
+			// An earlier attempt of this delivery moved money or sent a
+			// message: its record must commit, however old the event.
+			m.log(msg, slog.LevelWarn, "outside the dedup horizon, but an earlier attempt had an external effect: processed so that its record commits", key,
+				"effects", happened, "horizon", err)
+		} else {
+			return OutsideHorizon, nil, err
+		}
 	}
 
-	attemptCtx, effects := withAttempt(ContextWithTx(msgCtx, tx))
-	msg.SetContext(attemptCtx)
+	msg.SetContext(ContextWithTx(msgCtx, tx))
 	handling := time.Now()
 	produced, err := func() ([]*message.Message, error) {
 		defer msg.SetContext(msgCtx) // the transaction must not outlive this attempt

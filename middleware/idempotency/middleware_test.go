@@ -959,3 +959,104 @@ func TestClaimsWorkInEveryQueryExecMode(t *testing.T) {
 		})
 	}
 }
+
+// A held delivery whose earlier attempt had an external effect is processed
+// when a later attempt finds it past the dedup horizon: its record must
+// commit (review finding: the horizon dead-lettered it as too old while the
+// money had moved). A router gives each delivery its record (WithDelivery).
+func TestAnEffectOutlastsTheHorizonAcrossAttempts(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id, msg := newEvent(t)
+	now := time.Now()
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, MaxEventAge: time.Hour, Now: func() time.Time { return now }})
+	var runs atomic.Int64
+	writeFails := true
+	h := m.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if runs.Add(1) == 1 {
+			idempotency.MarkExternalEffect(msg.Context(), "charged")
+		}
+		if writeFails {
+			return nil, errors.New("the record's write failed")
+		}
+		return recordEffect(group, new(atomic.Int64))(msg)
+	})
+	msg.SetContext(idempotency.WithDelivery(context.Background()))
+	if _, err := h(msg); !errors.Is(err, idempotency.ErrAfterExternalEffect) {
+		t.Fatalf("first attempt: %v; want held after the effect", err)
+	}
+	now = now.Add(2 * time.Hour) // the hold outlasted the horizon
+	writeFails = false
+	if _, err := h(msg); err != nil {
+		t.Fatalf("the next attempt of the delivery, past the horizon: %v; want it processed", err)
+	}
+	if effects(t, pool, id, group) != 1 {
+		t.Fatal("the record did not commit")
+	}
+	// A new delivery of an event past the horizon, without an effect, is refused.
+	_, fresh := newEvent(t)
+	if _, err := h(fresh); !errors.Is(err, idempotency.ErrTooOld) {
+		t.Fatalf("an event past the horizon, no effect: %v; want ErrTooOld", err)
+	}
+}
+
+// The same bytes delivered again are a duplicate even when the consumer's
+// fingerprint of their values changed in between (a field added to its
+// event type, a rolling deploy); other bytes with the same values are a
+// duplicate too; other bytes with other values are a mismatch.
+func TestTheBytesOrTheValuesMakeADuplicate(t *testing.T) {
+	pool := setup(t)
+	group := uniqueGroup(t, "g")
+	id := uuid.Must(uuid.NewV7())
+	version := byte(1)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group,
+		Fingerprint: func(msg *message.Message) ([32]byte, error) {
+			c, err := idempotency.CanonicalJSON(msg.Payload)
+			return sha256.Sum256(append(c, version)), err
+		}})
+	var runs atomic.Int64
+	h := m.Middleware(recordEffect(group, &runs))
+	first := newMessage(id, `"amount":12.5`)
+	if _, err := h(first.Copy()); err != nil {
+		t.Fatal(err)
+	}
+	version = 2 // the consumer's type changed: every fingerprint differs now
+	if _, err := h(first.Copy()); err != nil {
+		t.Fatalf("the same bytes after the fingerprint changed: %v; want a duplicate", err)
+	}
+	version = 1
+	if _, err := h(newMessage(id, `"amount": 12.50`)); err != nil {
+		t.Fatalf("the same values in other bytes: %v; want a duplicate", err)
+	}
+	if _, err := h(newMessage(id, `"amount":13`)); !errors.Is(err, idempotency.ErrPayloadMismatch) {
+		t.Fatalf("other values: %v; want ErrPayloadMismatch", err)
+	}
+	if runs.Load() != 1 {
+		t.Fatalf("%d runs, want 1", runs.Load())
+	}
+}
+
+// The handler's statements run under the transaction's statement timeout,
+// not the claim's own bound (review finding: the claim's 30s became every
+// handler statement's).
+func TestTheTransactionsStatementTimeoutBoundsTheHandler(t *testing.T) {
+	pool := setup(t)
+	sleep := func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := idempotency.TxFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `SELECT pg_sleep(0.6)`)
+		return nil, err
+	}
+	long := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"), StatementTimeout: 300 * time.Millisecond, TxStatementTimeout: 5 * time.Second})
+	if _, msg := newEvent(t); true {
+		if _, err := long.Middleware(sleep)(msg); err != nil {
+			t.Fatalf("a 600ms statement under a 5s transaction bound: %v", err)
+		}
+	}
+	short := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g"), TxStatementTimeout: 200 * time.Millisecond})
+	_, msg := newEvent(t)
+	_, err := short.Middleware(sleep)(msg)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "57014" || idempotency.IsPermanent(err) {
+		t.Fatalf("a 600ms statement under a 200ms transaction bound: %v; want 57014, held", err)
+	}
+}

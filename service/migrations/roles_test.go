@@ -70,6 +70,18 @@ func TestEachGroupsRoleWritesOnlyItsOwnTables(t *testing.T) {
 	if _, err := billingPool.Exec(ctx, `SELECT count(*) FROM `+later); !denied(err) {
 		t.Errorf("once_billing on analytics' later table: %v; want permission denied", err)
 	}
+	// In public, a table made later is no group's until it is granted by
+	// name: it may be meant for one group only.
+	public := "public.later_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := admin.Exec(ctx, `CREATE TABLE `+public+` (n int)`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP TABLE `+public) })
+	for _, p := range []*pgxpool.Pool{analyticsPool, billingPool} {
+		if _, err := p.Exec(ctx, `SELECT count(*) FROM `+public); !denied(err) {
+			t.Errorf("a group role on a table made later in public: %v; want permission denied", err)
+		}
+	}
 
 	// The analytics group itself, every statement under its role.
 	brokers := testenv.Brokers(t)
