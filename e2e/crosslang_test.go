@@ -54,11 +54,7 @@ func TestGuidesPythonProducer(t *testing.T) {
 // connection that is theirs for one transaction only.
 func TestGuidesProducerBehindPgBouncer(t *testing.T) {
 	eachAnalyticsMode(t, "15 behind PgBouncer", func(t *testing.T, name string, batched bool) {
-		s := newScenario(t, name, 6)
-		s.batched = batched
-		s.requireDevService("pgbouncer")
-		s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
-		s.guidesProducer(scale(300), scale(100), "0.25", nil)
+		behindPgBouncer(t, name, batched).guidesProducer(scale(300), scale(100), "0.25", nil)
 	})
 }
 
@@ -66,10 +62,7 @@ func TestGuidesProducerBehindPgBouncer(t *testing.T) {
 // then started again: every client and server connection is cut at once.
 func TestPgBouncerKilled(t *testing.T) {
 	eachAnalyticsMode(t, "16 PgBouncer kill -9", func(t *testing.T, name string, batched bool) {
-		s := newScenario(t, name, 6)
-		s.batched = batched
-		s.requireDevService("pgbouncer")
-		s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
+		s := behindPgBouncer(t, name, batched)
 		// A provider that takes 100ms: billing's transactions are open when
 		// the pooler dies.
 		s.providerFlags = []string{"--fault-latency", "100ms"}
@@ -85,6 +78,16 @@ func TestPgBouncerKilled(t *testing.T) {
 			t.Error("no attempt was held while PgBouncer was down: the fault did not happen")
 		}
 	})
+}
+
+// behindPgBouncer is a scenario whose consumers reach the database through
+// dev/pgbouncer.sh.
+func behindPgBouncer(t *testing.T, name string, batched bool) *scenario {
+	s := newScenario(t, name, 6)
+	s.batched = batched
+	s.requireDevService("pgbouncer")
+	s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
+	return s
 }
 
 // guidesProducer publishes events with the guide's own Python producer

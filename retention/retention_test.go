@@ -267,11 +267,7 @@ func TestDeleteModeAndSwitchingModes(t *testing.T) {
 func TestNamedClaimTable(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
-	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
-	if _, err := schema.Migrate(ctx, pool, names); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	names := namedClaimTable(t, pool)
 	now := at("2025-03-10T12:00:00Z")
 	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour, Now: func() time.Time { return now }}
 	rep := run(t, cfg)
@@ -296,11 +292,7 @@ func TestNamedClaimTable(t *testing.T) {
 func TestRetentionGivesWayToOpenClaims(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
-	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
-	if _, err := schema.Migrate(ctx, pool, names); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	names := namedClaimTable(t, pool)
 	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour,
 		LockTimeout: 200 * time.Millisecond, LockRetries: 2}
 	then := at("2025-04-01T12:00:00Z")
@@ -368,11 +360,7 @@ func TestRetentionGivesWayToOpenClaims(t *testing.T) {
 func TestProcessesAgreeOnTheRetention(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
-	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
-	if _, err := schema.Migrate(ctx, pool, names); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	names := namedClaimTable(t, pool)
 	week := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 7 * 24 * time.Hour}
 	day := week
 	day.Retention = 24 * time.Hour
@@ -424,11 +412,7 @@ func TestProcessesAgreeOnTheRetention(t *testing.T) {
 func TestTheMaintenanceLease(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
-	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
-	if _, err := schema.Migrate(ctx, pool, names); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	names := namedClaimTable(t, pool)
 	now := at("2025-03-10T12:00:00Z")
 	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Now: func() time.Time { return now }}
 	lease := names.Schema + "." + schema.LeaseTable
@@ -448,4 +432,16 @@ func TestTheMaintenanceLease(t *testing.T) {
 	if rep := run(t, cfg); rep.Busy {
 		t.Fatalf("right after a pass: %+v; want its lease released", rep)
 	}
+}
+
+// namedClaimTable migrates the library's tables into a schema of the test's
+// own, its claim table named "claims"; dropped when the test ends.
+func namedClaimTable(t *testing.T, pool *pgxpool.Pool) schema.Config {
+	t.Helper()
+	names := schema.Config{Schema: "once_ret_" + strings.ReplaceAll(uuid.NewString()[:8], "-", ""), ClaimTable: "claims"}
+	if _, err := schema.Migrate(context.Background(), pool, names); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
+	return names
 }
