@@ -4,23 +4,18 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
-	"regexp"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/once-dev/once/internal/durable"
 	"github.com/once-dev/once/internal/kafkasend"
+	"github.com/once-dev/once/pgdb"
+	"github.com/once-dev/once/schema"
 )
-
-// DefaultTable holds dead letters until Kafka has them (package schema
-// creates it beside the claim table).
-const DefaultTable = "once_dead_letter"
 
 // Letter is a dead letter: the message as it arrived, and headers that say
 // why and where it failed.
@@ -30,24 +25,6 @@ type Letter struct {
 	Key     []byte
 	Payload []byte
 	Headers map[string]string
-}
-
-// Execer runs a statement: a pgx.Tx (to park a letter in the transaction of
-// the verdict it reports) or a pool.
-type Execer interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}
-
-// DB is what draining needs. *pgxpool.Pool implements it.
-type DB interface {
-	Execer
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
-
-// StoreConfig names the table of parked dead letters. The zero value is
-// public.once_dead_letter.
-type StoreConfig struct {
-	Schema, Table string
 }
 
 // Store parks dead letters in a database table and drains them to Kafka. A
@@ -76,58 +53,14 @@ type Source struct {
 // as far back as an offset reset is expected to reach.
 const DefaultSourceRetention = 7 * 24 * time.Hour
 
-var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
-
-// NewStore validates cfg.
-func NewStore(cfg StoreConfig) (*Store, error) {
-	if cfg.Schema == "" {
-		cfg.Schema = "public"
-	}
-	if cfg.Table == "" {
-		cfg.Table = DefaultTable
-	}
-	var errs []error
-	for setting, name := range map[string]string{"Schema": cfg.Schema, "Table": cfg.Table} {
-		if !identifier.MatchString(name) {
-			errs = append(errs, fmt.Errorf("dlq: StoreConfig.%s %q: want a lower-case SQL identifier", setting, name))
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
+// NewStore validates the names of the store's tables (schema.Config's
+// DeadLetters) and returns the store. It touches no database.
+func NewStore(tables schema.Config) (*Store, error) {
+	if err := tables.Validate(); err != nil {
 		return nil, err
 	}
-	return &Store{table: pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(), sources: pgx.Identifier{cfg.Schema, cfg.Table + "_sources"}.Sanitize(),
+	return &Store{table: tables.DeadLettersTable().Qualified, sources: tables.DeadLetterSourcesTable().Qualified,
 		nudge: make(chan struct{}, 1)}, nil
-}
-
-// TableDDL is the statement that creates the table.
-func (s *Store) TableDDL() string {
-	return `CREATE TABLE IF NOT EXISTS ` + s.table + ` (
-    id              bigserial   PRIMARY KEY,
-    topic           text        NOT NULL,
-    key             bytea,
-    payload         bytea       NOT NULL,
-    -- JSON as bytes: a header may hold a NUL, which jsonb refuses.
-    headers         bytea       NOT NULL,
-    created_at      timestamptz NOT NULL DEFAULT now(),
-    attempts        int         NOT NULL DEFAULT 0,
-    last_error      text,
-    next_attempt_at timestamptz NOT NULL DEFAULT now()
-)`
-}
-
-// SourcesDDL creates the table of the messages [Store.ParkFrom] dead-lettered.
-func (s *Store) SourcesDDL() string {
-	return `CREATE TABLE IF NOT EXISTS ` + s.sources + ` (
-    consumer_group   text        NOT NULL,
-    topic            text        NOT NULL,
-    kafka_partition  int         NOT NULL,
-    kafka_offset     bigint      NOT NULL,
-    -- The same place with other bytes is another message (the topic was
-    -- made again): it is dead-lettered too.
-    payload_sha256   bytea       NOT NULL,
-    dead_lettered_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_group, topic, kafka_partition, kafka_offset)
-)`
 }
 
 // storedHeader keeps a header's bytes as they are: JSON would replace
@@ -162,15 +95,16 @@ func decodeHeaders(b []byte) (map[string]string, error) {
 	return h, nil
 }
 
-// Park writes letters through db, a transaction or a pool.
-func (s *Store) Park(ctx context.Context, db Execer, letters ...Letter) error {
+// Park writes letters in tx: the transaction of the verdict they report,
+// or one of their own (pgdb.InTx).
+func (s *Store) Park(ctx context.Context, tx pgx.Tx, letters ...Letter) error {
 	for _, l := range letters {
 		headers, err := encodeHeaders(l.Headers)
 		if err != nil {
 			return fmt.Errorf("dlq: encode headers: %w", err)
 		}
 		// Durable before it returns: the message is acknowledged right after.
-		if _, err := db.Exec(ctx, `INSERT INTO `+s.table+` (topic, key, payload, headers) SELECT $1, $2, $3, $4 FROM (SELECT `+durable.RaiseSynchronousCommit+`) AS durable`,
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.table+` (topic, key, payload, headers) SELECT $1, $2, $3, $4 FROM (SELECT `+durable.RaiseSynchronousCommit+`) AS durable`,
 			l.Topic, l.Key, l.Payload, headers); err != nil {
 			return fmt.Errorf("dlq: park a dead letter for %s: %w", l.Topic, err)
 		}
@@ -197,13 +131,13 @@ SELECT $1, $2, $3, $4 FROM first, (SELECT ` + durable.RaiseSynchronousCommit + `
 // dead-lettered before: an offset reset or a rebalance that re-reads a
 // partition delivers it again, and its letter is already on its way or on
 // its topic. It reports whether it parked the letter.
-func (s *Store) ParkFrom(ctx context.Context, db Execer, src Source, l Letter) (bool, error) {
+func (s *Store) ParkFrom(ctx context.Context, tx pgx.Tx, src Source, l Letter) (bool, error) {
 	headers, err := encodeHeaders(l.Headers)
 	if err != nil {
 		return false, fmt.Errorf("dlq: encode headers: %w", err)
 	}
 	sum := sha256.Sum256(l.Payload)
-	tag, err := db.Exec(ctx, fmt.Sprintf(parkFromSQL, s.sources, s.table), l.Topic, l.Key, l.Payload, headers,
+	tag, err := tx.Exec(ctx, fmt.Sprintf(parkFromSQL, s.sources, s.table), l.Topic, l.Key, l.Payload, headers,
 		src.Group, src.Topic, src.Partition, src.Offset, sum[:])
 	if err != nil {
 		return false, fmt.Errorf("dlq: park a dead letter for %s: %w", l.Topic, err)
@@ -213,7 +147,7 @@ func (s *Store) ParkFrom(ctx context.Context, db Execer, src Source, l Letter) (
 
 // PruneSources forgets dead-lettered sources older than olderThan, in
 // batches, and returns how many it forgot.
-func (s *Store) PruneSources(ctx context.Context, db Execer, olderThan time.Duration) (int64, error) {
+func (s *Store) PruneSources(ctx context.Context, db pgdb.DB, olderThan time.Duration) (int64, error) {
 	var total int64
 	for {
 		tag, err := db.Exec(ctx, `DELETE FROM `+s.sources+` WHERE ctid IN (SELECT ctid FROM `+s.sources+`
@@ -239,7 +173,7 @@ func (s *Store) Nudge() {
 
 // DrainConfig configures [Store.Drain].
 type DrainConfig struct {
-	DB       DB
+	DB       pgdb.DB
 	Producer sarama.SyncProducer
 	// PollInterval between passes when nothing is nudged. Default 500ms.
 	PollInterval time.Duration
@@ -444,7 +378,7 @@ type Parked struct {
 }
 
 // List returns the parked letters, oldest first.
-func (s *Store) List(ctx context.Context, db DB, limit int) ([]Parked, error) {
+func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, error) {
 	rows, err := db.Query(ctx, `SELECT id, topic, headers, created_at, attempts, coalesce(last_error, '') FROM `+s.table+` ORDER BY id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("dlq: list parked letters: %w", err)

@@ -9,10 +9,12 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
 )
 
@@ -26,7 +28,7 @@ func TestParkedLettersDrainOneByOne(t *testing.T) {
 	topic := testenv.Topic(t, brokers, 1)
 	missing := topic + ".nowhere"
 	binary := "\xff\x00\xfe"
-	if err := store.Park(ctx, pool,
+	if err := park(ctx, store, pool,
 		dlq.Letter{Topic: missing, Payload: []byte("lost?"), Headers: map[string]string{"reason_poisoned": "x"}},
 		dlq.Letter{Topic: topic, Key: []byte("k1"), Payload: []byte("first"), Headers: map[string]string{"bin": binary}},
 		dlq.Letter{Topic: topic, Key: []byte("k2"), Payload: []byte("second"), Headers: map[string]string{"reason_poisoned": "y"}},
@@ -92,7 +94,7 @@ func newStore(t *testing.T) (*dlq.Store, schema.Config, *pgxpool.Pool) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
-	store, err := dlq.NewStore(dlq.StoreConfig{Schema: names.Schema})
+	store, err := dlq.NewStore(names)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,7 +144,7 @@ func TestAnUnreadableLetterHoldsNoOtherUp(t *testing.T) {
 	for i := range 12 {
 		good = append(good, dlq.Letter{Topic: topic, Payload: []byte(fmt.Sprint("good ", i))})
 	}
-	if err := store.Park(ctx, pool, good...); err != nil {
+	if err := park(ctx, store, pool, good...); err != nil {
 		t.Fatal(err)
 	}
 	var published int
@@ -169,7 +171,7 @@ func TestADrainerTakesOnlyItsTopics(t *testing.T) {
 	brokers := testenv.Brokers(t)
 	mine := testenv.Topic(t, brokers, 1)
 	theirs := mine + ".theirs"
-	if err := store.Park(ctx, pool,
+	if err := park(ctx, store, pool,
 		dlq.Letter{Topic: theirs, Payload: []byte("not mine")},
 		dlq.Letter{Topic: mine, Payload: []byte("mine")},
 	); err != nil {
@@ -210,7 +212,7 @@ func (s silentBroker) SendMessage(*sarama.ProducerMessage) (int32, int64, error)
 func TestAStopEndsTheDrainWhileKafkaIsSilent(t *testing.T) {
 	ctx := context.Background()
 	store, _, pool := newStore(t)
-	if err := store.Park(ctx, pool, dlq.Letter{Topic: "t", Payload: []byte("p")}); err != nil {
+	if err := park(ctx, store, pool, dlq.Letter{Topic: "t", Payload: []byte("p")}); err != nil {
 		t.Fatal(err)
 	}
 	broker := silentBroker{sends: make(chan struct{}, 10), release: make(chan struct{})}
@@ -251,14 +253,14 @@ func TestParkFromParksAMessageOnce(t *testing.T) {
 		payload string
 		want    bool
 	}{{"bad", true}, {"bad", false}, {"other", true}, {"other", false}} {
-		parked, err := store.ParkFrom(ctx, pool, src, dlq.Letter{Topic: "orders.dlq", Payload: []byte(c.payload)})
+		parked, err := parkFrom(ctx, store, pool, src, dlq.Letter{Topic: "orders.dlq", Payload: []byte(c.payload)})
 		if err != nil || parked != c.want {
 			t.Fatalf("park %d (%s): parked %t (%v), want %t", i, c.payload, parked, err, c.want)
 		}
 	}
 	other := src
 	other.Group = "h"
-	if parked, err := store.ParkFrom(ctx, pool, other, dlq.Letter{Topic: "orders.dlq", Payload: []byte("bad")}); err != nil || !parked {
+	if parked, err := parkFrom(ctx, store, pool, other, dlq.Letter{Topic: "orders.dlq", Payload: []byte("bad")}); err != nil || !parked {
 		t.Fatalf("another group's letter: parked %t (%v), want parked", parked, err)
 	}
 	if letters, err := store.List(ctx, pool, 10); err != nil || len(letters) != 3 {
@@ -267,4 +269,17 @@ func TestParkFromParksAMessageOnce(t *testing.T) {
 	if n, err := store.PruneSources(ctx, pool, 0); err != nil || n != 2 {
 		t.Fatalf("pruned %d sources (%v), want 2", n, err)
 	}
+}
+
+// park parks letters in a transaction of their own.
+func park(ctx context.Context, store *dlq.Store, pool *pgxpool.Pool, letters ...dlq.Letter) error {
+	return pgdb.InTx(ctx, pool, func(tx pgx.Tx) error { return store.Park(ctx, tx, letters...) })
+}
+
+func parkFrom(ctx context.Context, store *dlq.Store, pool *pgxpool.Pool, src dlq.Source, l dlq.Letter) (parked bool, err error) {
+	err = pgdb.InTx(ctx, pool, func(tx pgx.Tx) error {
+		parked, err = store.ParkFrom(ctx, tx, src, l)
+		return err
+	})
+	return parked, err
 }

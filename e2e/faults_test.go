@@ -65,7 +65,7 @@ func testReadOnlyDatabase(t *testing.T, name string, batched bool) {
 	s.sql("ALTER SYSTEM RESET default_transaction_read_only", "SELECT pg_reload_conf()")
 	<-done
 	s.verify(120 * time.Second)
-	if len(s.logLines("retention pass failed at start-up; consuming anyway")) == 0 {
+	if len(s.logLines("retention pass failed; consuming anyway")) == 0 {
 		t.Error("consumer-c's start-up retention pass did not meet the read-only database: the fault did not happen")
 	}
 	s.stillRunning(c)

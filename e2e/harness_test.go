@@ -4,12 +4,14 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -309,9 +311,28 @@ func (s *scenario) send(key string, payload []byte) {
 
 func (s *scenario) sendTo(topic, key string, payload []byte) {
 	s.t.Helper()
-	if _, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)}); err != nil {
-		s.t.Fatalf("publish to %s: %v", topic, err)
+	// Right after a broker restart, or a topic's creation, its partitions
+	// may have no leader yet for longer than the producer's own retries: the
+	// scenario's producer (not the system under test) keeps trying. A copy
+	// that did arrive before a retry is a duplicate, which the system skips.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		_, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)})
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) || !isRetriableKafka(err) {
+			s.t.Fatalf("publish to %s: %v", topic, err)
+		}
+		time.Sleep(250 * time.Millisecond)
 	}
+}
+
+func isRetriableKafka(err error) bool {
+	var kerr sarama.KError
+	return errors.As(err, &kerr) && slices.Contains([]sarama.KError{sarama.ErrNotLeaderForPartition, sarama.ErrUnknownTopicOrPartition,
+		sarama.ErrLeaderNotAvailable, sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrRequestTimedOut}, kerr) ||
+		errors.Is(err, sarama.ErrOutOfBrokers)
 }
 
 // cancelWhilePublishing cancels, every interval until done closes, the

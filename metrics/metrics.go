@@ -14,7 +14,7 @@ package metrics
 
 import (
 	"context"
-	"log/slog"
+	"errors"
 	"strconv"
 	"time"
 
@@ -108,72 +108,92 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		retentionLastSuccess: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: Namespace, Name: "retention_last_success_timestamp_seconds",
 			Help: "When a retention pass last succeeded (Unix time)."}),
 	}
-	for _, c := range []prometheus.Collector{m.messages, m.claimSeconds, m.handlerSeconds, m.commitSeconds, m.batchSize, m.batchRunAlone, m.batchDeadlocks,
-		m.forwarded, m.lag, m.joined, m.assigned, m.held, m.oldestHeld, m.claimPartitions, m.oldestClaimAge, m.parkedLetters,
-		m.oldestParkedLetter, m.watchErrors, m.retentionPasses, m.retentionLastSuccess} {
-		if err := reg.Register(c); err != nil {
-			return nil, err
-		}
+	// Several services in one process (the demo runs billing and analytics
+	// apart) share the registry's collectors: each registers, and the second
+	// adopts what the first registered.
+	var errs []error
+	m.messages = register(reg, m.messages, &errs)
+	m.claimSeconds = register(reg, m.claimSeconds, &errs)
+	m.handlerSeconds = register(reg, m.handlerSeconds, &errs)
+	m.commitSeconds = register(reg, m.commitSeconds, &errs)
+	m.batchSize = register(reg, m.batchSize, &errs)
+	m.batchRunAlone = register(reg, m.batchRunAlone, &errs)
+	m.batchDeadlocks = register(reg, m.batchDeadlocks, &errs)
+	m.forwarded = register(reg, m.forwarded, &errs)
+	m.lag = register(reg, m.lag, &errs)
+	m.joined = register(reg, m.joined, &errs)
+	m.assigned = register(reg, m.assigned, &errs)
+	m.held = register(reg, m.held, &errs)
+	m.oldestHeld = register(reg, m.oldestHeld, &errs)
+	m.claimPartitions = register(reg, m.claimPartitions, &errs)
+	m.oldestClaimAge = register(reg, m.oldestClaimAge, &errs)
+	m.parkedLetters = register(reg, m.parkedLetters, &errs)
+	m.oldestParkedLetter = register(reg, m.oldestParkedLetter, &errs)
+	m.watchErrors = register(reg, m.watchErrors, &errs)
+	m.retentionPasses = register(reg, m.retentionPasses, &errs)
+	m.retentionLastSuccess = register(reg, m.retentionLastSuccess, &errs)
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
 
-// Instrument chains the metrics into cfg's hooks (the hooks already there
-// still run first), and adds Watermill's router metrics (namespace
-// once_watermill) to cfg.Router, which it makes when cfg has none.
-func (m *Metrics) Instrument(cfg *pipeline.Config) error {
-	onResult := cfg.OnResult
-	cfg.OnResult = func(r idempotency.Result) {
-		if onResult != nil {
-			onResult(r)
-		}
-		m.Result(r)
-	}
-	onHeld := cfg.OnHeld
-	cfg.OnHeld = func(h pipeline.Held) {
-		if onHeld != nil {
-			onHeld(h)
-		}
-		m.messages.WithLabelValues(h.Topic, h.Group, OutcomeHeld).Inc()
-	}
-	onDeadLetter := cfg.OnDeadLetter
-	cfg.OnDeadLetter = func(d pipeline.DeadLetter) {
-		if onDeadLetter != nil {
-			onDeadLetter(d)
-		}
-		m.messages.WithLabelValues(d.Topic, d.Group, OutcomeDeadLettered).Inc()
-	}
-	onBatch := cfg.OnBatch
-	cfg.OnBatch = func(b pipeline.BatchDone) {
-		if onBatch != nil {
-			onBatch(b)
-		}
-		m.batchSize.WithLabelValues(b.Topic, b.Group).Observe(float64(b.Size))
-		m.batchRunAlone.WithLabelValues(b.Topic, b.Group).Add(float64(b.RunAlone))
-		if b.Deadlock {
-			m.batchDeadlocks.WithLabelValues(b.Topic, b.Group).Inc()
+// register registers c, or returns the collector of the same description
+// already registered.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C, errs *[]error) C {
+	err := reg.Register(c)
+	var already prometheus.AlreadyRegisteredError
+	if errors.As(err, &already) {
+		if existing, ok := already.ExistingCollector.(C); ok {
+			return existing
 		}
 	}
-	onForwarded := cfg.OnForwarded
-	cfg.OnForwarded = func(f pipeline.Forwarded) {
-		if onForwarded != nil {
-			onForwarded(f)
-		}
-		m.forwarded.WithLabelValues(f.Topic).Inc()
+	if err != nil {
+		*errs = append(*errs, err)
 	}
-	if cfg.Router == nil {
-		logger := cfg.Logger
-		if logger == nil {
-			logger = slog.Default()
+	return c
+}
+
+// Attach makes cfg report to the metrics: their hooks join cfg.Hooks (the
+// hooks already there still run first), and Watermill's router metrics
+// (namespace once_watermill) are added to whichever router the pipeline
+// runs, its own or the team's. It creates no router.
+func (m *Metrics) Attach(cfg *pipeline.Config) {
+	cfg.Hooks = pipeline.ComposeHooks(cfg.Hooks, m.Hooks())
+	setup := cfg.SetupRouter
+	cfg.SetupRouter = func(r *message.Router) error {
+		if setup != nil {
+			if err := setup(r); err != nil {
+				return err
+			}
 		}
-		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, pipeline.WatermillLogger(logger))
-		if err != nil {
-			return err
-		}
-		cfg.Router = r
+		wmetrics.NewPrometheusMetricsBuilder(m.reg, Namespace, "watermill").AddPrometheusRouterMetrics(r)
+		return nil
 	}
-	wmetrics.NewPrometheusMetricsBuilder(m.reg, Namespace, "watermill").AddPrometheusRouterMetrics(cfg.Router)
-	return nil
+}
+
+// Hooks are the pipeline hooks that count messages, holds, dead letters,
+// batches and forwarded events.
+func (m *Metrics) Hooks() pipeline.Hooks {
+	return pipeline.Hooks{
+		OnResult: m.Result,
+		OnHeld: func(h pipeline.Held) {
+			m.messages.WithLabelValues(h.Topic, h.Group, OutcomeHeld).Inc()
+		},
+		OnDeadLetter: func(d pipeline.DeadLetter) {
+			m.messages.WithLabelValues(d.Topic, d.Group, OutcomeDeadLettered).Inc()
+		},
+		OnBatch: func(b pipeline.BatchDone) {
+			m.batchSize.WithLabelValues(b.Topic, b.Group).Observe(float64(b.Size))
+			m.batchRunAlone.WithLabelValues(b.Topic, b.Group).Add(float64(b.RunAlone))
+			if b.Deadlock {
+				m.batchDeadlocks.WithLabelValues(b.Topic, b.Group).Inc()
+			}
+		},
+		OnForwarded: func(f pipeline.Forwarded) {
+			m.forwarded.WithLabelValues(f.Topic).Inc()
+		},
+	}
 }
 
 // Result counts one idempotency outcome; the Failed attempts that the
@@ -211,7 +231,7 @@ type Store struct {
 	// Name labels its metrics. Default: "default".
 	Name   string
 	DB     pipeline.DB
-	Schema schema.Config
+	Tables schema.Config
 }
 
 // Stores are the databases [Metrics.Watch] reads.
@@ -266,18 +286,8 @@ func (m *Metrics) readStore(ctx context.Context, s Store) error {
 	if name == "" {
 		name = "default"
 	}
-	names := s.Schema
-	if names.Schema == "" {
-		names.Schema = schema.DefaultSchema
-	}
-	if names.ClaimTable == "" {
-		names.ClaimTable = schema.DefaultClaimTable
-	}
-	if names.DeadLetters == "" {
-		names.DeadLetters = "once_dead_letter"
-	}
-	claims := pgx.Identifier{names.Schema, names.ClaimTable}.Sanitize()
-	letters := pgx.Identifier{names.Schema, names.DeadLetters}.Sanitize()
+	claims := s.Tables.Claims().Qualified
+	letters := s.Tables.DeadLettersTable().Qualified
 	var partitions int64
 	var oldest *[16]byte
 	var parked int64

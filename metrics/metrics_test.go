@@ -96,7 +96,7 @@ func TestAPipelinesOutcomesReachPrometheus(t *testing.T) {
 	flaky := uuid.Must(uuid.NewV7())
 	var flakyFailures atomic.Int32
 	cfg := pipeline.Config{
-		Brokers: brokers, DB: pool, Schema: names, HoldBackoff: 50 * time.Millisecond, HoldMaxBackoff: 100 * time.Millisecond,
+		Brokers: brokers, DB: pool, Tables: names, HoldBackoff: 50 * time.Millisecond, HoldMaxBackoff: 100 * time.Millisecond,
 		Topics: []pipeline.Binding{pipeline.Topic[tick]{Name: topic, DLQ: dlqTopic, Decode: decodeTick, Groups: []pipeline.Group[tick]{
 			{Name: single, Handle: func(_ context.Context, _ pgx.Tx, e tick) error {
 				if e.ID == flaky && flakyFailures.Add(1) == 1 {
@@ -112,9 +112,7 @@ func TestAPipelinesOutcomesReachPrometheus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Instrument(&cfg); err != nil {
-		t.Fatal(err)
-	}
+	m.Attach(&cfg)
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -123,7 +121,7 @@ func TestAPipelinesOutcomesReachPrometheus(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- p.Run(runCtx) }()
 	defer func() { stop(); <-done }()
-	go m.Watch(runCtx, p, metrics.Stores{{DB: pool, Schema: names}}, 200*time.Millisecond)
+	go m.Watch(runCtx, p, metrics.Stores{{DB: pool, Tables: names}}, 200*time.Millisecond)
 
 	producer := testenv.Producer(t, brokers)
 	const events = 30

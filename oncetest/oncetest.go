@@ -22,6 +22,7 @@ import (
 
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/schema"
 )
 
 // Config configures a [Harness].
@@ -36,8 +37,8 @@ type Config[E pipeline.Event] struct {
 	// Encode gives an event's payload bytes, whose hash tells a redelivery
 	// from a reused id. Default: json.Marshal.
 	Encode func(E) ([]byte, error)
-	// Schema and Table of the claim table. Defaults: "public", "processed_event".
-	Schema, Table string
+	// Tables names the claim table. Default: schema's defaults.
+	Tables schema.Config
 }
 
 // Harness delivers events to one handler as one consumer group.
@@ -80,8 +81,8 @@ func New[E pipeline.Event](t testing.TB, cfg Config[E]) *Harness[E] {
 	idem, err := idempotency.New(idempotency.Config{
 		DB:            cfg.DB,
 		ConsumerGroup: cfg.Group,
-		Schema:        cfg.Schema,
-		Table:         cfg.Table,
+		Schema:        cfg.Tables.WithDefaults().Schema,
+		Table:         cfg.Tables.WithDefaults().ClaimTable,
 		Key:           eventKey[E],
 		OnResult:      func(r idempotency.Result) { h.last = r },
 	})
@@ -178,15 +179,8 @@ func (h *Harness[E]) Claimed(ev E) bool {
 		h.t.Fatalf("oncetest: %v", err)
 	}
 	defer tx.Rollback(ctx)
-	schema, table := h.cfg.Schema, h.cfg.Table
-	if schema == "" {
-		schema = "public"
-	}
-	if table == "" {
-		table = "processed_event"
-	}
 	var n int
-	q := "SELECT count(*) FROM " + pgx.Identifier{schema, table}.Sanitize() + " WHERE event_id = $1 AND consumer_group = $2"
+	q := "SELECT count(*) FROM " + h.cfg.Tables.Claims().Qualified + " WHERE event_id = $1 AND consumer_group = $2"
 	if err := tx.QueryRow(ctx, q, ev.EventID(), h.cfg.Group).Scan(&n); err != nil {
 		h.t.Fatalf("oncetest: read claim: %v", err)
 	}

@@ -4,10 +4,8 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
-	"regexp"
 	"strings"
 	"time"
 
@@ -18,92 +16,43 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/internal/kafkasend"
 	"github.com/once-dev/once/internal/tracing"
+	"github.com/once-dev/once/pgdb"
+	"github.com/once-dev/once/schema"
 )
-
-// DB is a database with an outbox: *pgxpool.Pool implements it.
-type DB interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
-
-// DefaultTable is the outbox package schema creates beside the claim table.
-const DefaultTable = "once_outbox"
 
 // MetaKey carries a message's Kafka key from the outbox to Kafka. Every
 // event of one aggregate (an order) should share its key, so that they stay
 // in one partition and in order.
 const MetaKey = "partition_key"
 
-// Config names an outbox table. The zero value is public.once_outbox.
-type Config struct {
-	// Schema and Table of the outbox, and the table of its forwarder's
-	// progress. Defaults: "public", [DefaultTable] and Table + "_offsets".
-	Schema       string
-	Table        string
-	OffsetsTable string
-	// Logger. Default: slog.Default().
-	Logger *slog.Logger
-}
-
-var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
-
-func (c *Config) setDefaults() {
-	if c.Schema == "" {
-		c.Schema = "public"
-	}
-	if c.Table == "" {
-		c.Table = DefaultTable
-	}
-	if c.OffsetsTable == "" {
-		c.OffsetsTable = c.Table + "_offsets"
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
-}
-
-// Validate reports every bad name at once.
-func (c Config) Validate() error {
-	var errs []error
-	for setting, name := range map[string]string{"Schema": c.Schema, "Table": c.Table, "OffsetsTable": c.OffsetsTable} {
-		if name != "" && !identifier.MatchString(name) {
-			errs = append(errs, fmt.Errorf("outbox: Config.%s %q: want a lower-case SQL identifier", setting, name))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// Outbox is one outbox table.
+// Outbox is the consumer outbox of one set of tables (package schema
+// names them: schema.Config.Outbox and OutboxOffsets).
 type Outbox struct {
-	cfg     Config
+	tables  schema.Config
 	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
 }
 
-// New validates cfg and returns the outbox. It touches no database.
-func New(cfg Config) (*Outbox, error) {
-	if err := cfg.Validate(); err != nil {
+// New validates the names and returns the outbox, logging to logger (nil:
+// slog.Default()). It touches no database.
+func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
+	if err := tables.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.setDefaults()
-	messages := pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
-	offsets := pgx.Identifier{cfg.Schema, cfg.OffsetsTable}.Sanitize()
+	if logger == nil {
+		logger = slog.Default()
+	}
+	messages, offsets := tables.OutboxAdapters()
 	return &Outbox{
-		cfg: cfg,
-		schema: insertAsText{watermillsql.DefaultPostgreSQLSchema{
-			GenerateMessagesTableName: func(string) string { return messages },
-			// One forwarder per table, with one lock of its own for creating it.
-			InitializeSchemaLock: int(watermillsql.DefaultSchemaInitializationLock(cfg.Schema + "." + cfg.Table)),
-		}},
-		offsets: watermillsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(string) string { return offsets }},
-		wlog: watermill.NewSlogLoggerWithLevelMapping(cfg.Logger, map[slog.Level]slog.Level{
+		tables:  tables.WithDefaults(),
+		schema:  insertAsText{messages},
+		offsets: offsets,
+		wlog: watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
 		}),
 	}, nil
@@ -141,8 +90,9 @@ func (s insertAsText) InsertQuery(params watermillsql.InsertQueryParams) (waterm
 }
 
 // topic is the watermill-sql topic of every outbox: the table names are fixed
-// by Config, and the forwarder's envelope carries each message's real topic.
-const topic = "outbox"
+// by schema.Config, and the forwarder's envelope carries each message's real
+// topic.
+const topic = schema.OutboxTopic
 
 // forwarderGroup keeps the forwarder's progress in the offsets table.
 const forwarderGroup = "kafka_forwarder"
@@ -196,37 +146,20 @@ func (o *Outbox) Publish(ctx context.Context, tx pgx.Tx, msgs ...Message) error 
 }
 
 // Init creates the outbox's tables if they are missing, for databases that
-// do not run package schema (which creates the default outbox).
-func (o *Outbox) Init(ctx context.Context, db DB) error {
+// do not run package schema's migrations (a producer's own outbox).
+func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 	sub, err := o.subscriber(db, true)
 	if err != nil {
 		return err
 	}
 	defer sub.Close()
 	if err := sub.SubscribeInitialize(topic); err != nil {
-		return fmt.Errorf("outbox: create %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+		return fmt.Errorf("outbox: create %s: %w", o.tables.OutboxTable(), err)
 	}
 	return nil
 }
 
-// InitQueries are the statements that create the outbox's tables.
-func (o *Outbox) InitQueries() ([]string, error) {
-	var out []string
-	q, err := o.schema.SchemaInitializingQueries(watermillsql.SchemaInitializingQueriesParams{Topic: topic})
-	if err != nil {
-		return nil, err
-	}
-	oq, err := o.offsets.SchemaInitializingQueries(watermillsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
-	if err != nil {
-		return nil, err
-	}
-	for _, q := range append(q, oq...) {
-		out = append(out, q.Query)
-	}
-	return out, nil
-}
-
-func (o *Outbox) subscriber(db DB, initialize bool) (*watermillsql.Subscriber, error) {
+func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
 	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
 		ConsumerGroup:    forwarderGroup,
 		PollInterval:     50 * time.Millisecond,
@@ -235,7 +168,7 @@ func (o *Outbox) subscriber(db DB, initialize bool) (*watermillsql.Subscriber, e
 		InitializeSchema: initialize,
 	}, o.wlog)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: subscriber on %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
 }
@@ -244,7 +177,7 @@ func (o *Outbox) subscriber(db DB, initialize bool) (*watermillsql.Subscriber, e
 // kafkaPublisher (see [NewKafkaPublisher]). A row is acknowledged only after
 // the publish returned, so a crash in between publishes it again. Several
 // forwarders on one table take turns; each message goes out in table order.
-func (o *Outbox) Forwarder(db DB, kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
+func (o *Outbox) Forwarder(db pgdb.DB, kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
 	sub, err := o.subscriber(db, false)
 	if err != nil {
 		return nil, err
@@ -271,13 +204,13 @@ const pruneSQL = `DELETE FROM %[1]s WHERE ctid IN (
 // Prune deletes forwarded rows older than olderThan, batch rows per
 // statement, and returns how many it deleted. watermill-sql keeps every row
 // forever; without this the outbox grows with every event.
-func (o *Outbox) Prune(ctx context.Context, db DB, olderThan time.Duration, batch int) (int64, error) {
+func (o *Outbox) Prune(ctx context.Context, db pgdb.DB, olderThan time.Duration, batch int) (int64, error) {
 	q := fmt.Sprintf(pruneSQL, o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic))
 	var total int64
 	for {
 		tag, err := db.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
 		if err != nil {
-			return total, fmt.Errorf("outbox: prune %s.%s: %w", o.cfg.Schema, o.cfg.Table, err)
+			return total, fmt.Errorf("outbox: prune %s: %w", o.tables.OutboxTable(), err)
 		}
 		total += tag.RowsAffected()
 		if tag.RowsAffected() < int64(batch) {

@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strconv"
@@ -34,6 +35,7 @@ type batcher struct {
 	p      *Pipeline
 	idem   *idempotency.Middleware
 	handle func(ctx context.Context, tx pgx.Tx, evs []any) error
+	inTx   []message.HandlerMiddleware // a team's InTx, once per batch
 	cfg    Batch
 
 	mu      sync.Mutex
@@ -88,8 +90,9 @@ type batchEntry struct {
 	result   chan error // buffered: the batch never waits for its reader
 }
 
-func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error, cfg Batch) *batcher {
-	return &batcher{topic: topic, group: group, p: p, idem: idem, handle: handle, cfg: cfg,
+func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error,
+	inTx []message.HandlerMiddleware, cfg Batch) *batcher {
+	return &batcher{topic: topic, group: group, p: p, idem: idem, handle: handle, inTx: inTx, cfg: cfg,
 		queues: map[partitionOf]*[]*batchEntry{}, entries: map[entryKey]*batchEntry{}, wake: make(chan struct{}, 1), changed: make(chan struct{})}
 }
 
@@ -476,9 +479,25 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 			}
 			evs[i] = ev.value
 		}
-		return b.handle(ctx, tx, evs)
+		if len(b.inTx) == 0 {
+			return b.handle(ctx, tx, evs)
+		}
+		// A team's InTx middleware wraps the batch once, in its
+		// transaction; the message it sees is the batch's first, with the
+		// batch's context (the transaction, that first event).
+		h := func(msg *message.Message) ([]*message.Message, error) { return nil, b.handle(msg.Context(), tx, evs) }
+		for i := len(b.inTx) - 1; i >= 0; i-- {
+			h = b.inTx[i](h)
+		}
+		carrier := &message.Message{UUID: claimed[0].UUID, Metadata: claimed[0].Metadata, Payload: claimed[0].Payload}
+		carrier.SetContext(context.WithValue(ctx, eventCtxKey{}, claimed[0].Context().Value(eventCtxKey{})))
+		out, err := h(carrier)
+		if err == nil && len(out) > 0 {
+			return fmt.Errorf("%w (%d messages)", ErrReturnedMessages, len(out))
+		}
+		return err
 	})
-	if b.p.cfg.OnBatch != nil {
+	if b.p.cfg.Hooks.OnBatch != nil {
 		done := BatchDone{Topic: b.topic, Group: b.group, Size: len(batch), Duration: time.Since(started)}
 		for _, err := range results {
 			if errors.Is(err, idempotency.ErrRunAlone) {
@@ -486,7 +505,7 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 				done.Deadlock = done.Deadlock || idempotency.IsDeadlock(err)
 			}
 		}
-		b.p.cfg.OnBatch(done)
+		b.p.cfg.Hooks.OnBatch(done)
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -57,7 +57,7 @@ func newBatchFixture(t *testing.T, db failingDB) *batchFixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &batchFixture{p: p, b: newBatcher(p, "t", "g", idem, nil, Batch{Size: 10, MaxWait: time.Millisecond, Window: 10, Concurrency: 2}),
+	f := &batchFixture{p: p, b: newBatcher(p, "t", "g", idem, nil, nil, Batch{Size: 10, MaxWait: time.Millisecond, Window: 10, Concurrency: 2}),
 		ran: make(chan string, 8)}
 	f.next = func(msg *message.Message) ([]*message.Message, error) { f.ran <- msg.UUID; return nil, nil }
 	return f

@@ -44,7 +44,7 @@ func BenchmarkCommitModes(b *testing.B) {
 			all := make(chan struct{})
 			cfg := e.config(pipeline.Group[order.Confirmed]{Name: uniqueGroup("bench"), Handle: func(context.Context, pgx.Tx, order.Confirmed) error { return nil }})
 			cfg.CommitMode = mode
-			cfg.OnResult = func(r idempotency.Result) {
+			cfg.Hooks.OnResult = func(r idempotency.Result) {
 				mu.Lock()
 				defer mu.Unlock()
 				now := time.Now()

@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -20,19 +19,15 @@ import (
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pgdb"
 )
 
 // The stages of the safety chain that are the pipeline's own; the package
 // documentation lists them in order.
 
-// DB begins the transaction that holds a message's claim, and is where the
-// group's dead letters and outbox events wait for Kafka. *pgxpool.Pool
-// implements it.
-type DB interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
+// DB is the library's one database type (pgdb.DB): where a group's claims,
+// business tables, dead letters and outbox events live. *pgxpool.Pool is one.
+type DB = pgdb.DB
 
 type pgxTx = pgx.Tx
 
@@ -59,8 +54,34 @@ type deliveryCtxKey struct{}
 // deliveryInfo is what the chain knows of a delivery from its start: the
 // subscriber's context, and where the message came from.
 type deliveryInfo struct {
-	orig  context.Context
-	claim claimInfo
+	orig     context.Context
+	claim    claimInfo
+	delivery Delivery
+}
+
+// DeliveryFrom is where the message a handler or a team's middleware works
+// on came from: its topic, partition, offset, key and headers, the group,
+// and the attempt. ok is false outside a pipeline's handler chain.
+func DeliveryFrom(ctx context.Context) (d Delivery, ok bool) {
+	info, ok := ctx.Value(deliveryCtxKey{}).(*deliveryInfo)
+	if !ok {
+		return Delivery{}, false
+	}
+	d = info.delivery
+	d.Attempt, _ = ctx.Value(attemptCtxKey{}).(int)
+	return d, true
+}
+
+// EventFrom is the decoded event of the message a handler or a team's
+// BeforeClaim or InTx middleware works on (Observe runs before decoding).
+// ok is false when there is none, or it is not an E.
+func EventFrom[E Event](ctx context.Context) (ev E, ok bool) {
+	d, found := ctx.Value(eventCtxKey{}).(decoded)
+	if !found {
+		return ev, false
+	}
+	ev, ok = d.value.(E)
+	return ev, ok
 }
 
 // delivered reports the delivery and remembers the context the subscriber
@@ -70,8 +91,9 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 	spanName := "process " + topic
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
-			if p.cfg.OnDelivered != nil {
-				p.cfg.OnDelivered(delivery(topic, group, msg))
+			d := delivery(topic, group, msg)
+			if p.cfg.Hooks.OnDelivered != nil {
+				p.cfg.Hooks.OnDelivered(d)
 			}
 			orig := msg.Context()
 			// The claim is looked up here once: later lookups find it a few
@@ -90,7 +112,8 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
 					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition)))
 			}
-			msg.SetContext(context.WithValue(ctx, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c}))
+			ctx = context.WithValue(ctx, publisherCtxKey{}, p.publisher)
+			msg.SetContext(context.WithValue(ctx, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c, delivery: d}))
 			defer msg.SetContext(orig)
 			out, err := h(msg)
 			if err != nil {
@@ -200,8 +223,8 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				}
 			}
 			p.letters.Nudge()
-			if p.cfg.OnDeadLetter != nil {
-				p.cfg.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error()})
+			if p.cfg.Hooks.OnDeadLetter != nil {
+				p.cfg.Hooks.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error()})
 			}
 			return nil, nil
 		}
@@ -290,8 +313,8 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 					defer p.released(msg)
 				}
 				if !p.stopped(msg) && !isClosed(revoked) {
-					if p.cfg.OnHeld != nil {
-						p.cfg.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})
+					if p.cfg.Hooks.OnHeld != nil {
+						p.cfg.Hooks.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})
 					}
 					// Loud while the wait grows, then one line in ten.
 					if wait < p.cfg.HoldMaxBackoff || attempt%10 == 0 {

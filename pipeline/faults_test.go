@@ -213,7 +213,7 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	}
 	var deadLetters atomic.Int64
 	cfg := e.config(m.group(r))
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	stop := run(t, cfg)
 	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"not": "an event"}`))
 	testenv.Publish(t, e.prod, e.topic, "k", payload(t, reused))
@@ -222,7 +222,7 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	testenv.Eventually(t, 30*time.Second, "two dead letters and two events", func() bool {
 		return deadLetters.Load() == 2 && effects(t, e.pool, r.group) == 2
 	})
-	testenv.Eventually(t, 30*time.Second, "both letters on the dead-letter topic", func() bool { return countMessages(t, e.brokers, e.dlq) == 2 })
+	testenv.Eventually(t, 30*time.Second, "both letters on the dead-letter topic", func() bool { return testenv.MessageCount(t, e.brokers, e.dlq) == 2 })
 	stop()
 
 	admin := testenv.Admin(t, e.brokers)
@@ -230,13 +230,13 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 		t.Fatal(err)
 	}
 	var seen outcomes
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	run(t, cfg)
 	testenv.Eventually(t, 30*time.Second, "the partition read again from its start", func() bool {
 		return seen.get(r.group, idempotency.Duplicate) == 2 && seen.get(r.group, idempotency.PayloadMismatch) == 1
 	})
 	time.Sleep(time.Second) // a second letter would be on its way
-	if n := countMessages(t, e.brokers, e.dlq); n != 2 || deadLetters.Load() != 2 {
+	if n := testenv.MessageCount(t, e.brokers, e.dlq); n != 2 || deadLetters.Load() != 2 {
 		t.Fatalf("after the reset: %d letters on the topic, %d dead-lettered; want 2 and 2", n, deadLetters.Load())
 	}
 }
@@ -290,7 +290,7 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 	var seen outcomes
 	cfg := e.config()
 	cfg.Topics = []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{g}}}
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	run(t, cfg)
 	id := uuid.Must(uuid.NewV7())
 	for _, form := range []string{
@@ -343,7 +343,7 @@ func TestAReusedIDIsAMismatchWhateverTheEventType(t *testing.T) {
 	var runs atomic.Int64
 	var seen outcomes
 	cfg := e.config()
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	cfg.Topics = []pipeline.Binding{pipeline.Topic[opaque]{Name: e.topic, DLQ: e.dlq, Decode: decodeOpaque, Groups: []pipeline.Group[opaque]{
 		{Name: group, Handle: func(context.Context, pgx.Tx, opaque) error { runs.Add(1); return nil }}}}}
 	legacy := uuid.Must(uuid.NewV7())

@@ -59,7 +59,7 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	var seen outcomes
 	cfg := e.config(pipeline.Group[order.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed})
 	cfg.HoldBackoff = 10 * time.Millisecond
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	run(t, cfg)
 
 	ev := validEvent(t, "49.90")
@@ -106,11 +106,11 @@ func testThousandEvents(t *testing.T, m handlerMode) {
 		pipeline.Group[order.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed},
 		analyticsOf,
 	)
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	// The group commit must really have batched: a batcher bypassed (every
 	// event on its own) passes every other check here.
 	var batches, largest atomic.Int64
-	cfg.OnBatch = func(b pipeline.BatchDone) {
+	cfg.Hooks.OnBatch = func(b pipeline.BatchDone) {
 		batches.Add(1)
 		for l := largest.Load(); int64(b.Size) > l && !largest.CompareAndSwap(l, int64(b.Size)); l = largest.Load() {
 		}

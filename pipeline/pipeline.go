@@ -34,15 +34,21 @@ type Config struct {
 	DB DB
 	// Topics to consume: [Topic] values of any event types. At least one.
 	Topics []Binding
+	// Outgoing are the topics the handlers publish to with [Publish]:
+	// [Outgoing] values of any event types. Default: none.
+	Outgoing []OutgoingBinding
+	// GroupDBs are the databases of the groups named here (by group name);
+	// a Group's own DB wins, and groups named nowhere use DB.
+	GroupDBs map[string]DB
 	// Router to add the handlers to, keeping its own router-level middleware,
 	// which always runs outside the safety chain. Run it with [Pipeline.Run].
 	// Default: a router of the pipeline's.
 	Router *message.Router
 
-	// Schema names the library's tables in every group's database, as
+	// Tables names the library's tables in every group's database, as
 	// package schema created them (the claim table, the outbox, the parked
-	// dead letters). Default: the zero schema.Config, public.processed_event.
-	Schema schema.Config
+	// dead letters). Default: schema's defaults.
+	Tables schema.Config
 
 	// CommitMode: [CommitInterval] or [CommitSync]. Default: CommitInterval.
 	CommitMode CommitMode
@@ -77,30 +83,22 @@ type Config struct {
 	// Default: 30s.
 	CloseTimeout time.Duration
 
-	// MaxEventAge is the dedup horizon (the claim retention minus
-	// MaxClockSkew); MaxClockSkew bounds ids from the future. See
-	// idempotency.Config. Default: 0 for both, which disables each check.
+	// MaxEventAge may make the dedup horizon shorter than the claims'
+	// recorded retention minus MaxClockSkew, which it follows by default;
+	// negative: no horizon. MaxClockSkew bounds ids from the future; default
+	// [DefaultMaxClockSkew], negative: no bound. See idempotency.Config.
 	MaxEventAge  time.Duration
 	MaxClockSkew time.Duration
 
-	// OnResult receives the idempotency outcome of every claim attempt of
-	// every group. Default: none.
-	OnResult func(idempotency.Result)
-	// OnDelivered is called for every message a group's chain receives.
-	// Default: none.
-	OnDelivered func(Delivery)
-	// OnHeld is called after each failed attempt of a held message, before
-	// the wait. Default: none.
-	OnHeld func(Held)
-	// OnDeadLetter is called when a message was dead-lettered: its letter is
-	// committed in the group's database, on its way to the topic's
-	// dead-letter topic. Default: none.
-	OnDeadLetter func(DeadLetter)
-	// OnForwarded is called after an event of a group's outbox reached
-	// Kafka, before its row is acknowledged. Default: none.
-	OnForwarded func(Forwarded)
-	// OnBatch is called after each batch of a batched group. Default: none.
-	OnBatch func(BatchDone)
+	// Hooks are told what happens to messages (metrics, logs, traces).
+	// Combine several with [ComposeHooks]. Default: none.
+	Hooks Hooks
+
+	// SetupRouter, if set, is called once with the router the pipeline
+	// runs (its own, or Config.Router), before any handler is added: for a
+	// team's router-level plugins and decorators, such as Watermill's
+	// metrics. Default: none.
+	SetupRouter func(*message.Router) error
 
 	// Security of every Kafka connection. Default: plaintext, no SASL.
 	Security KafkaSecurity
@@ -109,16 +107,86 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// Delivery says where a message came from: the parameters of [Config.OnDelivered].
+// Hooks are callbacks on what happens to messages, each called on the
+// goroutine that handles the message: keep them short. Every field may be
+// nil. Several are combined with [ComposeHooks], as net/http/httptrace's
+// ClientTrace or pgx's tracers are.
+type Hooks struct {
+	// OnResult receives the idempotency outcome of every claim attempt of
+	// every group.
+	OnResult func(idempotency.Result)
+	// OnDelivered is called for every message a group's chain receives.
+	OnDelivered func(Delivery)
+	// OnHeld is called after each failed attempt of a held message, before
+	// the wait.
+	OnHeld func(Held)
+	// OnDeadLetter is called when a message was dead-lettered: its letter
+	// is committed in the group's database, on its way to the topic's
+	// dead-letter topic.
+	OnDeadLetter func(DeadLetter)
+	// OnForwarded is called after an event of a group's outbox reached
+	// Kafka, before its row is acknowledged.
+	OnForwarded func(Forwarded)
+	// OnBatch is called after each batch of a batched group.
+	OnBatch func(BatchDone)
+}
+
+// ComposeHooks returns hooks that call each of hooks' callbacks in turn, in
+// the order given.
+func ComposeHooks(hooks ...Hooks) Hooks {
+	return Hooks{
+		OnResult:     compose(hooks, func(h Hooks) func(idempotency.Result) { return h.OnResult }),
+		OnDelivered:  compose(hooks, func(h Hooks) func(Delivery) { return h.OnDelivered }),
+		OnHeld:       compose(hooks, func(h Hooks) func(Held) { return h.OnHeld }),
+		OnDeadLetter: compose(hooks, func(h Hooks) func(DeadLetter) { return h.OnDeadLetter }),
+		OnForwarded:  compose(hooks, func(h Hooks) func(Forwarded) { return h.OnForwarded }),
+		OnBatch:      compose(hooks, func(h Hooks) func(BatchDone) { return h.OnBatch }),
+	}
+}
+
+// compose chains one callback of every Hooks; nil when none has it.
+func compose[T any](hooks []Hooks, field func(Hooks) func(T)) func(T) {
+	var fs []func(T)
+	for _, h := range hooks {
+		if f := field(h); f != nil {
+			fs = append(fs, f)
+		}
+	}
+	switch len(fs) {
+	case 0:
+		return nil
+	case 1:
+		return fs[0]
+	}
+	return func(v T) {
+		for _, f := range fs {
+			f(v)
+		}
+	}
+}
+
+// DefaultMaxClockSkew is how far ahead of the database's clock an event's id
+// may lie before the event is refused as from the future.
+const DefaultMaxClockSkew = idempotency.DefaultMaxClockSkew
+
+// Delivery says where a message came from: the parameters of [Hooks.OnDelivered].
 type Delivery struct {
 	Topic     string
 	Group     string
 	Partition int32
 	Offset    int64
+	// Key is the Kafka message key.
+	Key string
+	// Headers are the message's Kafka headers, and the pipeline's metadata
+	// (MetaKafkaPartition, MetaKafkaOffset, MetaKafkaKey). Read them only.
+	Headers map[string]string
+	// Attempt counts the attempts of this delivery, from 1 (as
+	// [DeliveryFrom] sees it; 0 in hooks).
+	Attempt int
 }
 
 // Held describes a message held after a failed attempt: the parameters of
-// [Config.OnHeld].
+// [Hooks.OnHeld].
 type Held struct {
 	Delivery
 	// Attempts so far, and how long the message has been held.
@@ -128,14 +196,14 @@ type Held struct {
 }
 
 // Forwarded describes an outbox event that reached Kafka: the parameters of
-// [Config.OnForwarded].
+// [Hooks.OnForwarded].
 type Forwarded struct {
 	Topic string
 	ID    string // the event id the handler gave it
 }
 
 // BatchDone describes one batch of a batched group: the parameters of
-// [Config.OnBatch].
+// [Hooks.OnBatch].
 type BatchDone struct {
 	Topic, Group string
 	// Size: messages in the batch; RunAlone: those it could not decide,
@@ -148,7 +216,7 @@ type BatchDone struct {
 }
 
 // DeadLetter describes a dead-lettered message: the parameters of
-// [Config.OnDeadLetter].
+// [Hooks.OnDeadLetter].
 type DeadLetter struct {
 	Delivery
 	DLQ    string
@@ -182,6 +250,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.TxStatementTimeout == 0 {
 		c.TxStatementTimeout = c.AttemptTimeout
+	}
+	if c.MaxClockSkew == 0 {
+		c.MaxClockSkew = DefaultMaxClockSkew
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -219,10 +290,10 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
-	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
-		errs = append(errs, errors.New("pipeline: MaxEventAge and MaxClockSkew must not be negative"))
+	errs = append(errs, c.Tables.Validate())
+	if _, err := newPublisher(nil, c.Outgoing); err != nil {
+		errs = append(errs, err)
 	}
-	errs = append(errs, c.Schema.Validate())
 	var topics []topicBinding
 	names := map[string]bool{}
 	for _, t := range c.Topics {
@@ -242,7 +313,10 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 			}
 			if g.db == nil {
 				b.groups[i].db = c.DB
-				if c.DB == nil {
+				if db, ok := c.GroupDBs[g.name]; ok && db != nil {
+					b.groups[i].db = db
+				}
+				if b.groups[i].db == nil {
 					errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: no DB, and Config.DB is nil", b.name, g.name))
 				}
 			}
@@ -274,8 +348,10 @@ type Pipeline struct {
 	subs      map[string]*subscriber // by group name
 	letters   *dlq.Store
 	outbox    *outbox.Outbox
-	dbs       []DB // distinct databases of the groups, in order of appearance
+	publisher *publisher // the outbox and Config.Outgoing, for Publish
+	dbs       []DB       // distinct databases of the groups, in order of appearance
 	dlqTopics []string
+	topics    []topicBinding
 	groups    []groupRef
 	holdsMu   sync.Mutex
 	holds     map[*message.Message]holdEntry
@@ -297,11 +373,13 @@ func New(cfg Config) (*Pipeline, error) {
 	wlog := newWatermillLogger(cfg.Logger)
 	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}), subs: map[string]*subscriber{},
 		tracer: otel.GetTracerProvider().Tracer("github.com/once-dev/once/pipeline")}
-	schemaCfg := cfg.Schema
-	if p.letters, err = dlq.NewStore(dlq.StoreConfig{Schema: schemaCfg.Schema, Table: schemaCfg.DeadLetters}); err != nil {
+	if p.letters, err = dlq.NewStore(cfg.Tables); err != nil {
 		return nil, err
 	}
-	if p.outbox, err = outbox.New(outbox.Config{Schema: schemaCfg.Schema, Table: schemaCfg.Outbox, Logger: cfg.Logger}); err != nil {
+	if p.outbox, err = outbox.New(cfg.Tables, cfg.Logger); err != nil {
+		return nil, err
+	}
+	if p.publisher, err = newPublisher(p.outbox, cfg.Outgoing); err != nil {
 		return nil, err
 	}
 	if p.router == nil {
@@ -310,6 +388,11 @@ func New(cfg Config) (*Pipeline, error) {
 			return nil, err
 		}
 		p.router, p.ownRouter = r, true
+	}
+	if cfg.SetupRouter != nil {
+		if err := cfg.SetupRouter(p.router); err != nil {
+			return nil, fmt.Errorf("pipeline: SetupRouter: %w", err)
+		}
 	}
 	pc := PublisherSaramaConfig(version)
 	cfg.Security.Apply(pc)
@@ -331,8 +414,8 @@ func New(cfg Config) (*Pipeline, error) {
 	}
 	p.closers = append(p.closers, func() error { return closeProducer(p.producer, client, producerCloseTimeout) })
 	p.kafkaPub = outbox.KafkaPublisher{Producer: p.producer}
-	if cfg.OnForwarded != nil {
-		p.kafkaPub.AfterPublish = func(topic string, m *message.Message) { cfg.OnForwarded(Forwarded{Topic: topic, ID: m.UUID}) }
+	if cfg.Hooks.OnForwarded != nil {
+		p.kafkaPub.AfterPublish = func(topic string, m *message.Message) { cfg.Hooks.OnForwarded(Forwarded{Topic: topic, ID: m.UUID}) }
 	}
 
 	// Every group is built before any handler is registered: a router that
@@ -345,6 +428,7 @@ func New(cfg Config) (*Pipeline, error) {
 	}
 	var all []built
 	seen := map[DB]bool{}
+	p.topics = topics
 	for _, t := range topics {
 		p.dlqTopics = append(p.dlqTopics, t.dlq)
 		for _, g := range t.groups {
@@ -444,7 +528,7 @@ func (p *Pipeline) forward(ctx context.Context, db DB) {
 }
 
 // Running is closed once every handler is subscribed.
-func (p *Pipeline) Running() chan struct{} { return p.router.Running() }
+func (p *Pipeline) Running() <-chan struct{} { return p.router.Running() }
 
 // Close stops the pipeline: its own router (a team's router is the team's to
 // close), and the Kafka clients.
@@ -493,8 +577,8 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		ConsumerGroup:      g.name,
 		Key:                decodedKey,
 		Fingerprint:        decodedFingerprint,
-		Schema:             cfg.Schema.Schema,
-		Table:              cfg.Schema.ClaimTable,
+		Schema:             cfg.Tables.WithDefaults().Schema,
+		Table:              cfg.Tables.WithDefaults().ClaimTable,
 		MaxEventAge:        cfg.MaxEventAge,
 		MaxClockSkew:       cfg.MaxClockSkew,
 		TooOld:             g.tooOld,
@@ -502,7 +586,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		TxStatementTimeout: cfg.TxStatementTimeout,
 		// No pause inside an attempt outlasts the attempt itself.
 		IdleInTransactionTimeout: cfg.AttemptTimeout + cfg.StatementTimeout,
-		OnResult:                 cfg.OnResult,
+		OnResult:                 cfg.Hooks.OnResult,
 		Logger:                   cfg.Logger,
 		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
@@ -516,7 +600,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	var batch *batcher
 	var onSend func(*message.Message)
 	if g.handleBatch != nil {
-		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, g.batch)
+		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, g.extra.InTx, g.batch)
 		onSend = batch.announce
 		p.batchers = append(p.batchers, batch)
 	}
@@ -555,7 +639,8 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 func delivery(topic, group string, msg *message.Message) Delivery {
 	partition, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaPartition), 10, 32)
 	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
-	return Delivery{Topic: topic, Group: group, Partition: int32(partition), Offset: offset}
+	return Delivery{Topic: topic, Group: group, Partition: int32(partition), Offset: offset,
+		Key: msg.Metadata.Get(MetaKafkaKey), Headers: msg.Metadata}
 }
 
 func kafkaLogAttrs(msg *message.Message) []any {

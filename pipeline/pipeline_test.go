@@ -228,7 +228,7 @@ func testSameEventFiveTimes(t *testing.T, m handlerMode) {
 	analytics := &recorder{group: uniqueGroup("analytics")}
 	var seen outcomes
 	cfg := e.config(m.group(billing), m.group(analytics))
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	run(t, cfg)
 
 	ev := validEvent(t, "12.34")
@@ -299,7 +299,7 @@ func testCrashBetweenCommits(t *testing.T, m handlerMode, mode pipeline.CommitMo
 	}
 
 	var seen outcomes
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	stop = run(t, cfg)
 	testenv.Eventually(t, 60*time.Second, "redelivery skipped as duplicate", func() bool {
 		return seen.get(r.group, idempotency.Duplicate) == 1
@@ -338,8 +338,8 @@ func testPoisonAndHeld(t *testing.T, m handlerMode) {
 	var deadLetters, held atomic.Int64
 	cfg := e.config(m.group(r))
 	cfg.HoldBackoff = 10 * time.Millisecond
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
-	cfg.OnHeld = func(h pipeline.Held) {
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnHeld = func(h pipeline.Held) {
 		if h.Err != nil && strings.Contains(h.Err.Error(), "provider answered 503") {
 			held.Add(1)
 		}

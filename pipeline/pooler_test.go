@@ -47,7 +47,7 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+effects+` (event_id uuid, grp text, weight numeric, at timestamptz)`); err != nil {
 		t.Fatal(err)
 	}
-	box, err := outbox.New(outbox.Config{Schema: names.Schema})
+	box, err := outbox.New(names, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,8 +58,8 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 	}
 	perEvent, batched := uniqueGroup("per-event"), uniqueGroup("batched")
 	var deadLetters atomic.Int64
-	cfg := pipeline.Config{Brokers: e.brokers, DB: pool, Schema: names, Logger: quietLogger(), StatementTimeout: 10 * time.Second,
-		OnDeadLetter: func(pipeline.DeadLetter) { deadLetters.Add(1) },
+	cfg := pipeline.Config{Brokers: e.brokers, DB: pool, Tables: names, Logger: quietLogger(), StatementTimeout: 10 * time.Second,
+		Hooks: pipeline.Hooks{OnDeadLetter: func(pipeline.DeadLetter) { deadLetters.Add(1) }},
 		Topics: []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{
 			{Name: perEvent, Handle: func(ctx context.Context, tx pgx.Tx, s shipment) error {
 				if err := write(ctx, tx, perEvent, s); err != nil {
@@ -102,12 +102,12 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 			count(`SELECT count(*) FROM `+effects+` WHERE grp = $1`, batched) == events && deadLetters.Load() == 4
 	})
 	testenv.Eventually(t, 60*time.Second, "the follow-ups forwarded and the dead letters drained", func() bool {
-		return countMessages(t, e.brokers, followUps) == events && countMessages(t, e.brokers, e.dlq) == 4
+		return testenv.MessageCount(t, e.brokers, followUps) == events && testenv.MessageCount(t, e.brokers, e.dlq) == 4
 	})
 	if n := count(`SELECT count(DISTINCT (event_id, grp)) FROM ` + effects); n != 2*events {
 		t.Fatalf("%d distinct effects, want %d", n, 2*events)
 	}
-	rcfg := retention.Config{DB: pool, Schema: names.Schema, Logger: quietLogger()}
+	rcfg := retention.Config{DB: pool, Tables: names, Logger: quietLogger()}
 	if err := retention.Agree(ctx, rcfg); err != nil {
 		t.Fatalf("agree on the retention: %v", err)
 	}

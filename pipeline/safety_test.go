@@ -118,7 +118,7 @@ func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 	}}
 	cfg := e.config(g)
 	var deadLettered atomic.Int64
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLettered.Add(1) }
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLettered.Add(1) }
 	run(t, cfg)
 	ev := validEvent(t, "9.00")
 	rejectedID = ev.EventID()
@@ -145,31 +145,9 @@ func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 		return parked == 0
 	})
 	time.Sleep(time.Second)
-	if n := countMessages(t, e.brokers, e.dlq); n != 1 {
+	if n := testenv.MessageCount(t, e.brokers, e.dlq); n != 1 {
 		t.Fatalf("%d dead letters in the topic, want exactly 1", n)
 	}
-}
-
-func countMessages(t *testing.T, brokers []string, topic string) int64 {
-	t.Helper()
-	client, err := sarama.NewClient(brokers, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	partitions, err := client.Partitions(topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var n int64
-	for _, p := range partitions {
-		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			t.Fatal(err)
-		}
-		n += end
-	}
-	return n
 }
 
 // A team that runs its own router and stops it: the message in flight fails
@@ -193,7 +171,7 @@ func TestShutdownOfATeamsRouterDeadLettersNothing(t *testing.T) {
 	cfg := e.config(g)
 	cfg.Router = router
 	var deadLetters atomic.Int64
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -231,7 +209,7 @@ func TestMessagesReturnedOutsideTheClaimDoNotStickThePartition(t *testing.T) {
 	}}
 	var seen outcomes
 	cfg := e.config(g)
-	cfg.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.record
 	run(t, cfg)
 	for range 2 {
 		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
@@ -395,7 +373,7 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 	cfg := e.config(group(r))
 	cfg.HoldBackoff = 20 * time.Millisecond
 	cfg.HoldMaxBackoff = 100 * time.Millisecond
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)

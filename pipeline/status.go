@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sync"
@@ -173,8 +174,8 @@ func (p *Pipeline) kafkaAdmin() (sarama.Client, sarama.ClusterAdmin, error) {
 // process's principal may read every topic it consumes, write every
 // dead-letter topic, and read its consumer groups: a missing ACL then stops
 // start-up with its name, rather than surfacing later as consumer errors,
-// or as dead letters that never leave the database. (Topics a handler
-// publishes to through the outbox are the team's to check.)
+// or as dead letters that never leave the database; and write every
+// [Config.Outgoing] topic, whose events would otherwise wait in the outbox.
 func (p *Pipeline) CheckAccess(ctx context.Context) error {
 	p.lagMu.Lock()
 	defer p.lagMu.Unlock()
@@ -189,7 +190,7 @@ func (p *Pipeline) CheckAccess(ctx context.Context) error {
 			topics = append(topics, g.topic)
 		}
 	}
-	for _, t := range p.dlqTopics {
+	for _, t := range append(slices.Clone(p.dlqTopics), p.OutgoingTopics()...) {
 		if !slices.Contains(topics, t) {
 			topics = append(topics, t)
 		}
@@ -248,6 +249,9 @@ const (
 func (p *Pipeline) topicNeeds(topic string) (ops []int, what string) {
 	if slices.Contains(p.dlqTopics, topic) {
 		return []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to publish dead letters)"
+	}
+	if slices.Contains(p.OutgoingTopics(), topic) {
+		return []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to forward the outbox's events)"
 	}
 	return []int{aclRead, aclDescribe}, "READ and DESCRIBE (to consume it)"
 }
@@ -311,4 +315,90 @@ func (l *lagState) closeLag() error {
 	err := l.lagAdmin.Close() // closes its client too
 	l.lagAdmin, l.lagClient = nil, nil
 	return err
+}
+
+// TopicNames is a topic of the pipeline and its dead-letter topic.
+type TopicNames struct {
+	Name, DLQ string
+}
+
+// Topics are the pipeline's topics, in configuration order.
+func (p *Pipeline) Topics() []TopicNames {
+	out := make([]TopicNames, 0, len(p.topics))
+	for _, t := range p.topics {
+		out = append(out, TopicNames{Name: t.name, DLQ: t.dlq})
+	}
+	return out
+}
+
+// OutgoingTopics are the topics of [Config.Outgoing], which the handlers
+// publish to.
+func (p *Pipeline) OutgoingTopics() []string {
+	if p.publisher == nil {
+		return nil
+	}
+	return slices.Sorted(maps.Keys(p.publisher.byName))
+}
+
+// GroupNames are the pipeline's consumer groups, each once.
+func (p *Pipeline) GroupNames() []string { return groupNames(p.topics) }
+
+// KafkaVersion is the brokers' version the pipeline speaks.
+func (p *Pipeline) KafkaVersion() sarama.KafkaVersion { return p.version }
+
+// KafkaTopics are every topic cfg's pipeline uses: those it consumes,
+// their dead-letter topics, and the [Config.Outgoing] ones, each once;
+// without a topic that is not valid.
+func (c Config) KafkaTopics() []string {
+	var out []string
+	add := func(name string) {
+		if name != "" && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	for _, t := range c.Topics {
+		if t == nil {
+			continue
+		}
+		if b, err := t.binding(); err == nil {
+			add(b.name)
+			add(b.dlq)
+		}
+	}
+	for _, o := range c.Outgoing {
+		if o == nil {
+			continue
+		}
+		if b, err := o.outgoing(); err == nil {
+			add(b.name)
+		}
+	}
+	return out
+}
+
+// GroupNames are the consumer groups of cfg's topics, each once; none when
+// a topic is not valid.
+func (c Config) GroupNames() []string {
+	var topics []topicBinding
+	for _, t := range c.Topics {
+		if t == nil {
+			continue
+		}
+		if b, err := t.binding(); err == nil {
+			topics = append(topics, b)
+		}
+	}
+	return groupNames(topics)
+}
+
+func groupNames(topics []topicBinding) []string {
+	var out []string
+	for _, t := range topics {
+		for _, g := range t.groups {
+			if !slices.Contains(out, g.name) {
+				out = append(out, g.name)
+			}
+		}
+	}
+	return out
 }

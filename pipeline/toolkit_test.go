@@ -123,12 +123,12 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	router.AddMiddleware(routerLevel.middleware)
 	var seen outcomes
 	p, err := pipeline.New(pipeline.Config{
-		Brokers:  e.brokers,
-		DB:       e.pool,
-		Router:   router,
-		Schema:   names,
-		Logger:   quietLogger(),
-		OnResult: seen.record,
+		Brokers: e.brokers,
+		DB:      e.pool,
+		Router:  router,
+		Tables:  names,
+		Logger:  quietLogger(),
+		Hooks:   pipeline.Hooks{OnResult: seen.record},
 		Topics: []pipeline.Binding{
 			pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed,
 				Groups: []pipeline.Group[order.Confirmed]{group(orders)},
@@ -214,12 +214,12 @@ func TestReturnedMessagesAreRefused(t *testing.T) {
 	cfg := e.config(g)
 	cfg.HoldBackoff = 10 * time.Millisecond
 	var refused, deadLetters atomic.Int64
-	cfg.OnHeld = func(h pipeline.Held) {
+	cfg.Hooks.OnHeld = func(h pipeline.Held) {
 		if errors.Is(h.Err, pipeline.ErrReturnedMessages) {
 			refused.Add(1)
 		}
 	}
-	cfg.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	run(t, cfg)
 	ev := validEvent(t, "1.00")
 	testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))

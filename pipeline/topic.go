@@ -114,8 +114,10 @@ type Group[E Event] struct {
 	Handle HandlerFunc[E]
 	// HandleBatch turns the group commit on (see [Batch]): the group's
 	// events are claimed, handled and committed in batches. Handle, if set
-	// too, handles the events of a failed batch one by one. Extra.InTx
-	// cannot be used with it.
+	// too, handles the events of a failed batch one by one. Extra.InTx runs
+	// once per batch around it, in the batch's transaction (and around
+	// Handle, or a batch of one, for an event of a failed batch run on its
+	// own).
 	HandleBatch BatchHandlerFunc[E]
 	// Batch sizes HandleBatch's batches.
 	Batch Batch
@@ -141,8 +143,11 @@ type Extra struct {
 	// handled like the handler's own. Nothing it does is part of the claim.
 	BeforeClaim []message.HandlerMiddleware
 	// InTx runs inside the claim's transaction, around the handler, for first
-	// deliveries only (idempotency.TxFromContext gives the transaction). It
-	// must not return messages: publishing after the commit could be lost.
+	// deliveries only (idempotency.TxFromContext gives the transaction). For
+	// a batched group it runs once per batch, around the batch handler, in
+	// the batch's transaction; the message it sees is the batch's first. It
+	// must not return messages: publishing after the commit could be lost
+	// ([Publish] in the transaction instead).
 	InTx []message.HandlerMiddleware
 }
 
@@ -299,9 +304,6 @@ func (t Topic[E]) binding() (topicBinding, error) {
 			continue
 		}
 		extra := t.Extra.then(g.Extra)
-		if g.HandleBatch != nil && len(extra.InTx) > 0 {
-			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Extra.InTx wraps one event's handler and cannot wrap HandleBatch", t.Name, g.Name))
-		}
 		if g.Batch.Size < 0 || g.Batch.MaxWait < 0 || g.Batch.Window < 0 || g.Batch.Concurrency < 0 {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Batch.Size, Batch.MaxWait, Batch.Window and Batch.Concurrency must not be negative", t.Name, g.Name))
 		}

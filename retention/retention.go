@@ -16,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
@@ -39,11 +38,10 @@ const DefaultRetention = 7 * 24 * time.Hour
 
 // Config configures maintenance. Zero values of optional fields work.
 type Config struct {
-	DB *pgxpool.Pool
-	// Schema and Table name the claim table, as package schema created it.
-	// Defaults: "public" and "processed_event".
-	Schema string
-	Table  string
+	DB pgdb.DB
+	// Tables names the claim table and the lease and policy tables beside
+	// it, as package schema created them. Default: schema's defaults.
+	Tables schema.Config
 	// Mode: [Partitioned] (default) or [Delete].
 	Mode Mode
 	// Retention of claims. Default [DefaultRetention].
@@ -69,12 +67,7 @@ type Config struct {
 }
 
 func (c *Config) setDefaults() {
-	if c.Schema == "" {
-		c.Schema = "public"
-	}
-	if c.Table == "" {
-		c.Table = "processed_event"
-	}
+	c.Tables = c.Tables.WithDefaults()
 	if c.Mode == "" {
 		c.Mode = Partitioned
 	}
@@ -98,8 +91,10 @@ func (c *Config) setDefaults() {
 	}
 }
 
-// Validate reports every missing or impossible setting at once.
+// Validate reports every missing or impossible setting at once, defaults
+// applied. It has no side effects.
 func (c Config) Validate() error {
+	c.setDefaults()
 	var errs []error
 	if c.DB == nil {
 		errs = append(errs, errors.New("retention: Config.DB is required"))
@@ -113,7 +108,7 @@ func (c Config) Validate() error {
 	if c.DaysAhead < 1 || c.BatchSize < 1 || c.LockRetries < 0 || c.LockTimeout < 0 {
 		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1, LockTimeout and LockRetries not negative"))
 	}
-	errs = append(errs, schema.Config{Schema: c.Schema, ClaimTable: c.Table}.Validate())
+	errs = append(errs, c.Tables.Validate())
 	return errors.Join(errs...)
 }
 
@@ -135,7 +130,7 @@ type Report struct {
 
 // leaseName names the maintenance lease of one claim table: the same for
 // every instance, different for every table.
-func leaseName(cfg Config) string { return "retention:" + cfg.Schema + "." + cfg.Table }
+func leaseName(cfg Config) string { return "retention:" + cfg.Tables.Claims().Name }
 
 // leaseFor is how long a pass holds the maintenance lease without renewing
 // it: a pass renews it before every step, and an instance that died in a
@@ -165,7 +160,7 @@ var errLeaseLost = errors.New("retention: the maintenance lease was taken by ano
 
 // lease is one pass's hold on a claim table's maintenance.
 type lease struct {
-	db     *pgxpool.Pool
+	db     pgdb.DB
 	table  string // qualified lease table
 	name   string
 	holder uuid.UUID
@@ -187,7 +182,7 @@ func (l lease) renew(ctx context.Context) error {
 
 // inTx runs f in a transaction of its own: every statement of a pass is
 // in one, whatever connection a pooler gives it.
-func inTx(ctx context.Context, db *pgxpool.Pool, f func(pgx.Tx) error) error {
+func inTx(ctx context.Context, db pgdb.DB, f func(pgx.Tx) error) error {
 	return pgdb.InTx(ctx, db, f)
 }
 
@@ -201,11 +196,11 @@ type names struct {
 
 func namesOf(cfg Config) names {
 	return names{
-		schema:      cfg.Schema,
-		table:       cfg.Table,
-		parent:      pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize(),
-		defaultPart: pgx.Identifier{cfg.Schema, cfg.Table + "_default"}.Sanitize(),
-		daily:       regexp.MustCompile(`^` + regexp.QuoteMeta(cfg.Table) + `_p(\d{8})$`),
+		schema:      cfg.Tables.Schema,
+		table:       cfg.Tables.ClaimTable,
+		parent:      cfg.Tables.Claims().Qualified,
+		defaultPart: cfg.Tables.ClaimsDefault().Qualified,
+		daily:       regexp.MustCompile(`^` + regexp.QuoteMeta(cfg.Tables.ClaimTable) + `_p(\d{8})$`),
 	}
 }
 
@@ -217,7 +212,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return Report{}, err
 	}
-	l := lease{db: cfg.DB, table: pgx.Identifier{cfg.Schema, schema.LeaseTable}.Sanitize(), name: leaseName(cfg), holder: uuid.New()}
+	l := lease{db: cfg.DB, table: cfg.Tables.Lease().Qualified, name: leaseName(cfg), holder: uuid.New()}
 	var got bool
 	if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
 		var holder pgtype.UUID
@@ -299,7 +294,7 @@ func Loop(ctx context.Context, cfg Config, interval time.Duration) {
 // statement waits at most timeout for its lock, and a statement that could
 // not get it is tried again after a backoff.
 type ddlRunner struct {
-	db      *pgxpool.Pool
+	db      pgdb.DB
 	lease   lease
 	timeout time.Duration
 	retries int
@@ -353,7 +348,7 @@ func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
 // dailyTables lists the tables of the schema named like the claim table's
 // daily partitions, and whether each is attached: a pass that failed half
 // way may leave one created but not attached, or detached but not dropped.
-func dailyTables(ctx context.Context, db *pgxpool.Pool, n names) (map[string]bool, error) {
+func dailyTables(ctx context.Context, db pgdb.DB, n names) (map[string]bool, error) {
 	out := map[string]bool{}
 	err := inTx(ctx, db, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, `SELECT c.relname, EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid AND i.inhparent = to_regclass($3))
@@ -507,9 +502,9 @@ func DayRange(day time.Time) (lo, hi uuid.UUID) {
 }
 
 // PartitionName is the name of the daily partition of the default claim
-// table (public.processed_event) holding day's ids.
+// table (schema.DefaultClaimTable) holding day's ids.
 func PartitionName(day time.Time) string {
-	return "processed_event_p" + day.UTC().Format("20060102")
+	return schema.DefaultClaimTable + "_p" + day.UTC().Format("20060102")
 }
 
 // ErrRetentionNotRecorded means no retention is recorded for the claim
@@ -533,8 +528,8 @@ func Agree(ctx context.Context, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
-	table := cfg.Schema + "." + cfg.Table
+	policy := cfg.Tables.RetentionPolicy().Qualified
+	table := cfg.Tables.Claims().Name
 	var recorded int64
 	var at time.Time
 	read := func() error {
@@ -579,11 +574,11 @@ func SetRetention(ctx context.Context, cfg Config) error {
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	policy := pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()
+	policy := cfg.Tables.RetentionPolicy().Qualified
 	err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2)
 ON CONFLICT (claim_table) DO UPDATE SET retention_seconds = EXCLUDED.retention_seconds, set_at = now()`,
-			cfg.Schema+"."+cfg.Table, int64(cfg.Retention.Seconds()))
+			cfg.Tables.Claims().Name, int64(cfg.Retention.Seconds()))
 		return err
 	})
 	if err != nil {

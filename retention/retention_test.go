@@ -269,7 +269,7 @@ func TestNamedClaimTable(t *testing.T) {
 	ctx := context.Background()
 	names := namedClaimTable(t, pool)
 	now := at("2025-03-10T12:00:00Z")
-	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour, Now: func() time.Time { return now }}
+	cfg := retention.Config{DB: pool, Tables: names, Retention: 48 * time.Hour, Now: func() time.Time { return now }}
 	rep := run(t, cfg)
 	if len(rep.Created) != 3 || rep.Created[0] != "claims_p20250310" {
 		t.Fatalf("created %v; want today's and 2 ahead in the named table", rep.Created)
@@ -293,7 +293,7 @@ func TestRetentionGivesWayToOpenClaims(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
 	names := namedClaimTable(t, pool)
-	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 48 * time.Hour,
+	cfg := retention.Config{DB: pool, Tables: names, Retention: 48 * time.Hour,
 		LockTimeout: 200 * time.Millisecond, LockRetries: 2}
 	then := at("2025-04-01T12:00:00Z")
 	cfg.Now = func() time.Time { return then }
@@ -361,7 +361,7 @@ func TestProcessesAgreeOnTheRetention(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
 	names := namedClaimTable(t, pool)
-	week := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 7 * 24 * time.Hour}
+	week := retention.Config{DB: pool, Tables: names, Retention: 7 * 24 * time.Hour}
 	day := week
 	day.Retention = 24 * time.Hour
 	if err := retention.Agree(ctx, week); err != nil {
@@ -414,7 +414,7 @@ func TestTheMaintenanceLease(t *testing.T) {
 	ctx := context.Background()
 	names := namedClaimTable(t, pool)
 	now := at("2025-03-10T12:00:00Z")
-	cfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Now: func() time.Time { return now }}
+	cfg := retention.Config{DB: pool, Tables: names, Now: func() time.Time { return now }}
 	lease := names.Schema + "." + schema.LeaseTable
 	if _, err := pool.Exec(ctx, `INSERT INTO `+lease+` (name, holder, until) VALUES ($1, $2, now() + interval '1 hour')`,
 		"retention:"+names.Schema+"."+names.ClaimTable, uuid.New()); err != nil {

@@ -7,7 +7,8 @@ import (
 	"fmt"
 	"hash/crc64"
 	"maps"
-	"regexp"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -16,81 +17,10 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 
-	"github.com/once-dev/once/dlq"
-	"github.com/once-dev/once/outbox"
+	watermillsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+
+	"github.com/once-dev/once/pgdb"
 )
-
-// Config names where the library's tables live. The zero value is
-// public.processed_event.
-type Config struct {
-	// Schema holds the tables; it is created if missing. Default "public".
-	Schema string
-	// ClaimTable is the claim table's name (R-KFK-IDEM-2). Its default
-	// partition is ClaimTable + "_default", and retention names its daily
-	// partitions ClaimTable + "_pYYYYMMDD". Default "processed_event".
-	ClaimTable string
-	// Outbox is the table of events that handlers publish in the claim's
-	// transaction (package outbox); its offsets table is Outbox + "_offsets".
-	// Default "once_outbox".
-	Outbox string
-	// DeadLetters parks dead letters until Kafka has them (package dlq).
-	// Default "once_dead_letter".
-	DeadLetters string
-}
-
-// DefaultSchema and DefaultClaimTable are the names [Config] uses when its
-// fields are empty.
-const (
-	DefaultSchema     = "public"
-	DefaultClaimTable = "processed_event"
-)
-
-// LeaseTable holds leases, one row each, that instances take turns on (the
-// retention pass of a claim table), in the configured schema.
-const LeaseTable = "once_lease"
-
-// identifier is what the library accepts as a schema or table name: plain
-// lower-case SQL identifiers, so that a name needs no quoting anywhere (goose,
-// watermill-sql and log lines use them verbatim) and leaves room for suffixes.
-var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
-
-func (c *Config) setDefaults() {
-	if c.Schema == "" {
-		c.Schema = DefaultSchema
-	}
-	if c.ClaimTable == "" {
-		c.ClaimTable = DefaultClaimTable
-	}
-	if c.Outbox == "" {
-		c.Outbox = outbox.DefaultTable
-	}
-	if c.DeadLetters == "" {
-		c.DeadLetters = dlq.DefaultTable
-	}
-}
-
-// Validate reports every name that is not a plain lower-case identifier of at
-// most 40 characters.
-func (c Config) Validate() error {
-	c.setDefaults()
-	return errors.Join(CheckIdentifier("schema: Schema", c.Schema), CheckIdentifier("schema: ClaimTable", c.ClaimTable),
-		CheckIdentifier("schema: Outbox", c.Outbox), CheckIdentifier("schema: DeadLetters", c.DeadLetters))
-}
-
-// CheckIdentifier reports whether name is usable as a schema or table name
-// of the library; setting names the setting in the error.
-func CheckIdentifier(setting, name string) error {
-	if !identifier.MatchString(name) {
-		return fmt.Errorf("%s %q: want a lower-case SQL identifier (letters, digits, underscore; at most 40 characters)", setting, name)
-	}
-	return nil
-}
-
-// Qualified returns the claim table as a quoted, schema-qualified name.
-func (c Config) Qualified() string {
-	c.setDefaults()
-	return pgx.Identifier{c.Schema, c.ClaimTable}.Sanitize()
-}
 
 // Migrate applies every pending migration of the library to db and returns
 // the versions it applied, then checks the claim table's shape.
@@ -102,7 +32,7 @@ func (c Config) Qualified() string {
 // a session-level advisory lock, which a transaction pooler would strand on
 // a server connection.
 func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error) {
-	cfg.setDefaults()
+	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -113,7 +43,7 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 		return nil, err
 	}
 	lockID := int64(crc64.Checksum([]byte("once.schema."+cfg.Schema), crc64.MakeTable(crc64.ECMA)) >> 1)
-	versions := cfg.Schema + ".once_schema_version"
+	versions := cfg.Versions().Name
 	if pending, err := pendingMigrations(ctx, sqlDB, versions, ms); err != nil {
 		return nil, err
 	} else if !pending {
@@ -200,17 +130,18 @@ func pendingMigrations(ctx context.Context, db *sql.DB, versions string, ms []*g
 // migrations are Go migrations because their DDL carries the configured
 // names; every name has passed Validate and is quoted by pgx.Identifier.
 func migrations(cfg Config) ([]*goose.Migration, error) {
-	box, err := outbox.New(outbox.Config{Schema: cfg.Schema, Table: cfg.Outbox})
+	messages, offsets := cfg.OutboxAdapters()
+	var outboxDDL []string
+	q, err := messages.SchemaInitializingQueries(watermillsql.SchemaInitializingQueriesParams{Topic: OutboxTopic})
 	if err != nil {
 		return nil, err
 	}
-	outboxDDL, err := box.InitQueries()
+	oq, err := offsets.SchemaInitializingQueries(watermillsql.OffsetsSchemaInitializingQueriesParams{Topic: OutboxTopic})
 	if err != nil {
 		return nil, err
 	}
-	letters, err := dlq.NewStore(dlq.StoreConfig{Schema: cfg.Schema, Table: cfg.DeadLetters})
-	if err != nil {
-		return nil, err
+	for _, q := range append(q, oq...) {
+		outboxDDL = append(outboxDDL, q.Query)
 	}
 	return []*goose.Migration{
 		// 1: the claim table (R-KFK-IDEM-2), range-partitioned by event_id.
@@ -229,22 +160,43 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		// transaction, moved to Kafka by outbox.Forwarder.
 		up(2, outboxDDL...),
 		// 3: dead letters, parked until Kafka has them (dlq.Store).
-		up(3, letters.TableDDL()),
+		up(3, `CREATE TABLE IF NOT EXISTS `+cfg.DeadLettersTable().Qualified+` (
+    id              bigserial   PRIMARY KEY,
+    topic           text        NOT NULL,
+    key             bytea,
+    payload         bytea       NOT NULL,
+    -- JSON as bytes: a header may hold a NUL, which jsonb refuses.
+    headers         bytea       NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    attempts        int         NOT NULL DEFAULT 0,
+    last_error      text,
+    next_attempt_at timestamptz NOT NULL DEFAULT now()
+)`),
 		// 4: the retention every process of a claim table agrees on
 		// (retention.Agree): a maintenance with a shorter one than the
 		// consumers' horizon would delete claims they still rely on.
-		up(4, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{cfg.Schema, "once_retention_policy"}.Sanitize()+` (
+		up(4, `CREATE TABLE IF NOT EXISTS `+cfg.RetentionPolicy().Qualified+` (
     claim_table       text        PRIMARY KEY,
     retention_seconds bigint      NOT NULL,
     set_at            timestamptz NOT NULL DEFAULT now()
 )`),
 		// 5: the messages dead-lettered, so that an offset reset does not
 		// dead-letter them again (dlq.Store.ParkFrom).
-		up(5, letters.SourcesDDL()),
+		up(5, `CREATE TABLE IF NOT EXISTS `+cfg.DeadLetterSourcesTable().Qualified+` (
+    consumer_group   text        NOT NULL,
+    topic            text        NOT NULL,
+    kafka_partition  int         NOT NULL,
+    kafka_offset     bigint      NOT NULL,
+    -- The same place with other bytes is another message (the topic was
+    -- made again): it is dead-lettered too.
+    payload_sha256   bytea       NOT NULL,
+    dead_lettered_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, topic, kafka_partition, kafka_offset)
+)`),
 		// 6: leases instances take turns on (package retention): a row,
 		// where a session-level advisory lock would not survive a
 		// transaction pooler.
-		up(6, `CREATE TABLE IF NOT EXISTS `+pgx.Identifier{cfg.Schema, LeaseTable}.Sanitize()+` (
+		up(6, `CREATE TABLE IF NOT EXISTS `+cfg.Lease().Qualified+` (
     name   text        PRIMARY KEY,
     holder uuid        NOT NULL,
     until  timestamptz NOT NULL
@@ -253,8 +205,26 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		// beside payload_sha256 of its bytes: a re-published event in another
 		// byte form is a duplicate (idempotency.Config.Fingerprint). NULL in
 		// claims made before it.
-		up(7, `ALTER TABLE `+pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()+` ADD COLUMN IF NOT EXISTS values_sha256 bytea`),
+		up(7, `ALTER TABLE `+cfg.Claims().Qualified+` ADD COLUMN IF NOT EXISTS values_sha256 bytea`),
 	}, nil
+}
+
+// OutboxTopic is the watermill-sql topic of every outbox: its tables are
+// named by Config, and the forwarder's envelope carries each message's real
+// topic.
+const OutboxTopic = "outbox"
+
+// OutboxAdapters are watermill-sql's PostgreSQL schema and offsets adapters
+// of the consumer outbox's two tables, with one advisory lock of their own
+// for creating them.
+func (c Config) OutboxAdapters() (watermillsql.DefaultPostgreSQLSchema, watermillsql.DefaultPostgreSQLOffsetsAdapter) {
+	messages, offsets := c.OutboxTable(), c.OutboxOffsetsTable()
+	return watermillsql.DefaultPostgreSQLSchema{
+			GenerateMessagesTableName: func(string) string { return messages.Qualified },
+			InitializeSchemaLock:      int(watermillsql.DefaultSchemaInitializationLock(messages.Name)),
+		}, watermillsql.DefaultPostgreSQLOffsetsAdapter{
+			GenerateMessagesOffsetsTableName: func(string) string { return offsets.Qualified },
+		}
 }
 
 func up(version int64, statements ...string) *goose.Migration {
@@ -270,9 +240,9 @@ func up(version int64, statements ...string) *goose.Migration {
 
 // createClaimTable creates the claim table, or adopts the one that exists.
 func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
-	claims := pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()
+	claims := cfg.Claims().Qualified
 	defaultName := cfg.ClaimTable + "_default"
-	defaultPart := pgx.Identifier{cfg.Schema, defaultName}.Sanitize()
+	defaultPart := cfg.ClaimsDefault().Qualified
 	var exists, partitioned bool
 	if err := tx.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL,
 		EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1))`, claims).Scan(&exists, &partitioned); err != nil {
@@ -282,7 +252,7 @@ func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
 	if exists && !partitioned {
 		// A plain claim table (the reference service's first migration):
 		// it becomes the default partition of a new partitioned table.
-		if err := checkColumns(ctx, tx, cfg.Schema, cfg.ClaimTable, claimColumns); err != nil {
+		if err := checkColumns(ctx, sqlRows(tx), cfg.Claims(), claimColumns); err != nil {
 			return err
 		}
 		stmts = append(stmts,
@@ -317,32 +287,46 @@ func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
 	return nil
 }
 
-// queryer is what the shape checks read through: a *sql.Tx in a migration,
-// a pool afterwards.
-type queryer interface {
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+// rowReader runs a query of one row: a *sql.Tx in a migration, a pgx
+// transaction afterwards.
+type rowReader func(ctx context.Context, query string, args ...any) interface{ Scan(...any) error }
+
+func sqlRows(tx *sql.Tx) rowReader {
+	return func(ctx context.Context, q string, args ...any) interface{ Scan(...any) error } {
+		return tx.QueryRowContext(ctx, q, args...)
+	}
 }
+
+func pgxRows(tx pgx.Tx) rowReader {
+	return func(ctx context.Context, q string, args ...any) interface{ Scan(...any) error } {
+		return tx.QueryRow(ctx, q, args...)
+	}
+}
+
+// noRows is either driver's "no row".
+func noRows(err error) bool { return errors.Is(err, sql.ErrNoRows) || errors.Is(err, pgx.ErrNoRows) }
 
 // claimColumns are the claim table's columns as migration 1 made them;
 // migration 7 adds values_sha256.
 var claimColumns = map[string]string{"event_id": "uuid", "consumer_group": "text", "payload_sha256": "bytea", "processed_at": "timestamp with time zone"}
 
-func checkColumns(ctx context.Context, q queryer, schema, table string, want map[string]string) error {
+func checkColumns(ctx context.Context, row rowReader, claims Table, want map[string]string) error {
 	var missing []string
 	for col, typ := range want {
 		var got string
-		err := q.QueryRowContext(ctx, `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
-			WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped`, pgx.Identifier{schema, table}.Sanitize(), col).Scan(&got)
+		err := row(ctx, `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+			WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND NOT a.attisdropped`, claims.Qualified, col).Scan(&got)
 		if err != nil || got != typ {
 			missing = append(missing, col+" "+typ)
 		}
 	}
+	slices.Sort(missing)
 	var key string
-	err := q.QueryRowContext(ctx, `SELECT string_agg(a.attname, ',' ORDER BY k.n) FROM pg_index i
+	err := row(ctx, `SELECT string_agg(a.attname, ',' ORDER BY k.n) FROM pg_index i
 		CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n)
 		JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-		WHERE i.indrelid = to_regclass($1) AND i.indisprimary`, pgx.Identifier{schema, table}.Sanitize()).Scan(&key)
-	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		WHERE i.indrelid = to_regclass($1) AND i.indisprimary`, claims.Qualified).Scan(&key)
+	if err != nil && !noRows(err) {
 		return err
 	}
 	var problems []string
@@ -354,36 +338,60 @@ func checkColumns(ctx context.Context, q queryer, schema, table string, want map
 			"a key with processed_at in it, as the style guide's partitioned DDL has, lets two deliveries of one event both claim it", key))
 	}
 	if len(problems) > 0 {
-		return fmt.Errorf("schema: %s.%s exists with another shape: %v", schema, table, problems)
+		return fmt.Errorf("schema: %s exists with another shape: %v", claims, problems)
 	}
 	return nil
 }
 
-// Check verifies that the claim table has the shape dedup depends on:
-// the library's columns, the primary key (event_id, consumer_group), and
-// range partitioning by event_id with a default partition.
-func Check(ctx context.Context, db *pgxpool.Pool, cfg Config) error {
-	cfg.setDefaults()
-	sqlDB := stdlib.OpenDBFromPool(db)
-	defer sqlDB.Close()
-	want := maps.Clone(claimColumns)
-	want["values_sha256"] = "bytea"
-	if err := checkColumns(ctx, sqlDB, cfg.Schema, cfg.ClaimTable, want); err != nil {
+// ErrMissingTable means a table of the library is not in the database: it
+// was never migrated there, or the names (Config) do not match its.
+var ErrMissingTable = errors.New("schema: a table of the library is missing")
+
+// Check verifies, without changing anything, that every table of the
+// library exists under cfg's names, and that the claim table has the shape
+// dedup depends on: the library's columns, the primary key (event_id,
+// consumer_group), and range partitioning by event_id with a default
+// partition. An error names the table.
+func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	var strategy, column string
-	var hasDefault bool
-	err := sqlDB.QueryRowContext(ctx, `SELECT p.partstrat::text, a.attname, p.partdefid <> 0
+	return pgdb.InTx(ctx, db, func(tx pgx.Tx) error {
+		var missing []string
+		for _, t := range cfg.Tables() {
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.Qualified).Scan(&exists); err != nil {
+				return fmt.Errorf("schema: look for %s: %w", t, err)
+			}
+			if !exists {
+				missing = append(missing, t.Name)
+			}
+		}
+		if len(missing) > 0 {
+			return fmt.Errorf("%w: %s (migrate the database first: schema.Migrate, once.Config.Migrate, or app migrate; or name the tables where they are)",
+				ErrMissingTable, strings.Join(missing, ", "))
+		}
+		claims := cfg.Claims()
+		want := maps.Clone(claimColumns)
+		want["values_sha256"] = "bytea"
+		if err := checkColumns(ctx, pgxRows(tx), claims, want); err != nil {
+			return err
+		}
+		var strategy, column string
+		var hasDefault bool
+		err := tx.QueryRow(ctx, `SELECT p.partstrat::text, a.attname, p.partdefid <> 0
 		FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
-		WHERE p.partrelid = to_regclass($1) AND p.partnatts = 1`, pgx.Identifier{cfg.Schema, cfg.ClaimTable}.Sanitize()).Scan(&strategy, &column, &hasDefault)
-	if errors.Is(err, sql.ErrNoRows) || (err == nil && (strategy != "r" || column != "event_id")) {
-		return fmt.Errorf("schema: %s.%s is not range-partitioned by event_id alone (got %q on %q): retention depends on it", cfg.Schema, cfg.ClaimTable, strategy, column)
-	}
-	if err != nil {
-		return fmt.Errorf("schema: check %s.%s: %w", cfg.Schema, cfg.ClaimTable, err)
-	}
-	if !hasDefault {
-		return fmt.Errorf("schema: %s.%s has no default partition: claims outside its daily partitions would fail", cfg.Schema, cfg.ClaimTable)
-	}
-	return nil
+		WHERE p.partrelid = to_regclass($1) AND p.partnatts = 1`, claims.Qualified).Scan(&strategy, &column, &hasDefault)
+		if noRows(err) || (err == nil && (strategy != "r" || column != "event_id")) {
+			return fmt.Errorf("schema: %s is not range-partitioned by event_id alone (got %q on %q): retention depends on it", claims, strategy, column)
+		}
+		if err != nil {
+			return fmt.Errorf("schema: check %s: %w", claims, err)
+		}
+		if !hasDefault {
+			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail", claims)
+		}
+		return nil
+	})
 }

@@ -6,8 +6,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/service/demo"
 	"github.com/once-dev/once/service/migrations"
 )
@@ -72,19 +70,12 @@ func (c *demoCmd) Run(ctx context.Context, d deps) error {
 	if err := o.serve(ctx, d); err != nil {
 		return err
 	}
-	// One retention pass, as app serve makes at start-up: today's claim
-	// partitions exist, and the pass shows in /metrics.
-	rep, rerr := retention.Run(ctx, retention.Config{DB: pool, Logger: log})
-	o.metrics.RetentionPass(rep, rerr)
-	if rerr != nil {
-		d.log.Warn("retention pass failed; the demo goes on", "err", rerr)
-	}
 	fmt.Fprintf(d.stderr, "demo: %d orders through billing and analytics, some cancelled, with duplicates from every source\n", c.Orders)
 	s, err := demo.Run(ctx, demo.Config{
 		DB: pool, ProviderDB: providerPool, Brokers: c.Kafka.Brokers, KafkaVersion: c.Kafka.KafkaVersion, Partitions: c.Kafka.Partitions,
 		Orders: c.Orders, RepublishShare: c.RepublishShare, DeclineShare: c.DeclineShare, PoisonMessages: c.Poison,
 		ResetRate: c.ResetRate, CancelShare: c.CancelShare, Timeout: c.Timeout, Progress: d.stderr, Logger: log,
-		Instrument: o.metrics.Instrument, Watch: func(p *pipeline.Pipeline) { o.watch(ctx, p, pool) }, OnPaymentAttempt: o.paymentAttempt,
+		Registry: o.reg, OnService: o.attach, OnPaymentAttempt: o.paymentAttempt,
 	})
 	if err != nil {
 		return err

@@ -12,6 +12,8 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
+	"github.com/once-dev/once/internal/reference"
+	"github.com/once-dev/once/schema"
 )
 
 type dlqCmd struct {
@@ -45,8 +47,8 @@ func (f *dlqFilterFlags) filter(k *kafkaSettings) (dlq.Filter, error) {
 		out.Topic = f.SourceTopic + k.TopicSuffix
 	}
 	if f.SourceGroup != "" {
-		if handlers[f.SourceGroup] == nil {
-			return dlq.Filter{}, fmt.Errorf("--source-group %q: want one of %s", f.SourceGroup, strings.Join(groupNames(), ", "))
+		if !slices.Contains(reference.Groups, f.SourceGroup) {
+			return dlq.Filter{}, fmt.Errorf("--source-group %q: want one of %s", f.SourceGroup, strings.Join(reference.Groups, ", "))
 		}
 		out.Group = f.SourceGroup + f.GroupSuffix
 	}
@@ -96,7 +98,7 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 			return fmt.Errorf("--database-url (DATABASE_URL): %w", err)
 		}
 		defer pool.Close()
-		store, err := dlq.NewStore(dlq.StoreConfig{})
+		store, err := dlq.NewStore(schema.Config{})
 		if err != nil {
 			return err
 		}

@@ -19,6 +19,7 @@ import (
 	"github.com/alecthomas/kong"
 
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/internal/reference"
 	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/pipeline"
 )
@@ -82,7 +83,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		kong.Writers(stdout, stderr),
 		kong.UsageOnError(),
 		kong.ConfigureHelp(kong.HelpOptions{Compact: true}),
-		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "dlq_group": dlq.DefaultGroup, "groups": strings.Join(groupNames(), ", "), "topics": "order.confirmed.v1, order.cancelled.v1, payment.events.v1"},
+		kong.Vars{"kafka_version": pipeline.DefaultKafkaVersion, "dlq_group": dlq.DefaultGroup, "groups": strings.Join(reference.Groups, ", "), "topics": "order.confirmed.v1, order.cancelled.v1, payment.events.v1"},
 		kong.Exit(func(code int) { exited = true; panic(exitCode(code)) }),
 	)
 	if err != nil {

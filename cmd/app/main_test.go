@@ -5,7 +5,6 @@ import (
 	"context"
 	"strings"
 	"testing"
-	"time"
 )
 
 // A bad or missing setting stops start-up with a message naming it, before
@@ -56,20 +55,5 @@ func TestHelpOnEverySubcommand(t *testing.T) {
 		if !strings.Contains(out.String(), "Usage: app") {
 			t.Errorf("%v: no usage printed: %q", args, out.String())
 		}
-	}
-}
-
-// Billing's horizon follows its too-old policy: with billing=process a
-// confirmation past the horizon is still processed, so its cancellation must
-// wait for it, not be dead-lettered as never to be settled (review finding).
-func TestBillingsHorizonFollowsItsTooOldPolicy(t *testing.T) {
-	s := serveCmd{TooOld: map[string]string{"billing": "reject"}, MaxClockSkew: 5 * time.Minute}
-	s.Retention.Retention = 168 * time.Hour
-	if got := s.billingHorizon(); got != 168*time.Hour-5*time.Minute {
-		t.Fatalf("billing=reject: horizon %s, want the retention minus the skew", got)
-	}
-	s.TooOld["billing"] = "process"
-	if got := s.billingHorizon(); got != 0 {
-		t.Fatalf("billing=process: horizon %s, want 0 (a cancellation waits for its confirmation)", got)
 	}
 }

@@ -39,7 +39,7 @@ func TestServeAnswersHealthReadinessAndMetrics(t *testing.T) {
 	suffix := "." + uuid.NewString()[:8]
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var logs lockedBuffer
+	var logs testenv.Logs
 	done := make(chan error, 1)
 	go func() {
 		done <- run(ctx, []string{"serve", "--kafka-brokers", strings.Join(brokers, ","), "--database-url", pool.Config().ConnString(),

@@ -12,7 +12,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/once-dev/once/metrics"
-	"github.com/once-dev/once/pipeline"
 )
 
 // namesRecorder is a registry that remembers the names of what it registers.
@@ -51,15 +50,10 @@ func exportedNames(t *testing.T) map[string]bool {
 		t.Fatal(err)
 	}
 	rec := namesRecorder{Registry: prometheus.NewRegistry(), names: map[string]bool{}}
-	o.metrics, err = metrics.New(rec)
-	if err != nil {
+	if _, err = metrics.New(rec); err != nil {
 		t.Fatal(err)
 	}
 	rec.MustRegister(o.payments, o.payTime)
-	var cfg pipeline.Config
-	if err := o.metrics.Instrument(&cfg); err != nil {
-		t.Fatal(err)
-	}
 	// Watermill registers its collectors when a handler is decorated; its
 	// names are fixed in its source (components/metrics).
 	for _, n := range []string{"once_watermill_handler_execution_time_seconds", "once_watermill_subscriber_messages_received_total", "once_watermill_publish_time_seconds"} {

@@ -1,12 +1,10 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os/exec"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,24 +17,6 @@ import (
 	"github.com/once-dev/once/service/migrations"
 	"github.com/once-dev/once/service/order"
 )
-
-// lockedBuffer is a log sink several goroutines write to.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // secureBroker starts dev/kafka.sh's broker with SASL/SCRAM and ACLs and
 // returns its address and an admin client on it.
@@ -153,7 +133,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		t.Fatalf("no password in the DSN %q", dsn)
 	}
 	t.Setenv("PAYMENT_API_KEY", apiKey)
-	serve := func(ctx context.Context, user, password string, logs *lockedBuffer) error {
+	serve := func(ctx context.Context, user, password string, logs *testenv.Logs) error {
 		t.Setenv("KAFKA_SASL_PASSWORD", password)
 		return run(ctx, []string{"serve", "--kafka-brokers", addr, "--kafka-sasl-mechanism", "SCRAM-SHA-512", "--kafka-sasl-user", user,
 			"--topic-suffix", suffix, "--group-suffix", suffix, "--groups", "analytics", "--database-url", dsn, "--no-migrate",
@@ -161,7 +141,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	}
 
 	// Refused before they consume anything, each naming what it lacks.
-	refusedLogs := map[string]*lockedBuffer{}
+	refusedLogs := map[string]*testenv.Logs{}
 	for _, r := range []struct {
 		user, password, what string
 		want                 []string
@@ -170,7 +150,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 		{groupless, grouplessPassword, "no ACL on its group", []string{"consumer group analytics" + suffix, "READ and DESCRIBE on the group"}},
 		{nowrite, nowritePassword, "no WRITE on a dead-letter topic", []string{"topic order.confirmed.v1" + suffix + ".dlq", "WRITE"}},
 	} {
-		logs := &lockedBuffer{}
+		logs := &testenv.Logs{}
 		refusedLogs[r.user] = logs
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		err := serve(ctx, r.user, r.password, logs)
@@ -198,7 +178,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: "order.confirmed.v1" + suffix, Value: sarama.StringEncoder(`{"event_id":`)}); err != nil {
 		t.Fatal(err)
 	}
-	var logs lockedBuffer
+	var logs testenv.Logs
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- serve(ctx, svc, svcPassword, &logs) }()

@@ -5,8 +5,10 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"maps"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -278,4 +280,26 @@ func (d *dbSettings) groupPools(ctx context.Context, dp deps, main *pgxpool.Pool
 		g.of[name] = byURL[url]
 	}
 	return g, nil
+}
+
+// migrateAll applies every migration (the library's and the reference
+// service's) to the main database and each group's own, and records the
+// claims' retention there as the tables' owner.
+func migrateAll(ctx context.Context, dp deps, d dbSettings, groupURLs map[string]string) error {
+	targets := []dbSettings{d}
+	seen := map[string]bool{d.DatabaseURL: true}
+	for _, g := range slices.Sorted(maps.Keys(groupURLs)) {
+		if url := groupURLs[g]; !seen[url] {
+			seen[url] = true
+			targets = append(targets, d.forGroup(url))
+		}
+	}
+	for _, t := range targets {
+		pool, err := t.open(ctx, dp, true)
+		if err != nil {
+			return err
+		}
+		pool.Close()
+	}
+	return nil
 }

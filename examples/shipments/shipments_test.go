@@ -40,8 +40,8 @@ func TestTheTeamsTopicRunsInThePipeline(t *testing.T) {
 	}
 	var deadLetters atomic.Int64
 	p, err := pipeline.New(pipeline.Config{Brokers: brokers, DB: pool,
-		Topics:       []pipeline.Binding{shipments.Topic(topic)},
-		OnDeadLetter: func(pipeline.DeadLetter) { deadLetters.Add(1) }})
+		Topics: []pipeline.Binding{shipments.Topic(topic)},
+		Hooks:  pipeline.Hooks{OnDeadLetter: func(pipeline.DeadLetter) { deadLetters.Add(1) }}})
 	if err != nil {
 		t.Fatal(err)
 	}

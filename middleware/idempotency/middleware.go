@@ -140,19 +140,23 @@ type Config struct {
 	FinishTimeout time.Duration
 
 	// MaxEventAge is the dedup horizon: claims older than the retention of
-	// processed_event may be gone, so a redelivery of an event whose id is
-	// older than MaxEventAge could run again. TooOld decides what happens to
-	// such an event. Set it to the retention minus MaxClockSkew. 0 disables.
-	// When the table's retention recorded by package retention is shorter
-	// (changed with app maintain --set-retention while this runs), that one
-	// minus MaxClockSkew applies, from the next claim on.
+	// the claim table may be gone, so a redelivery of an event whose id is
+	// older than that could run again. TooOld decides what happens to such
+	// an event. The horizon follows the retention recorded for the claim
+	// table (package retention records it) minus MaxClockSkew, read with
+	// every claim, so a retention shortened while this runs tightens it from
+	// the next claim on; MaxEventAge, when set, may only make it shorter.
+	// Default: 0, the recorded retention (no horizon while none is
+	// recorded). Negative: no horizon at all, for effects where a rare
+	// double is cheap.
 	MaxEventAge time.Duration
 	// TooOld is the policy for events beyond MaxEventAge. Default
 	// [RejectTooOld], the only safe choice for money.
 	TooOld TooOldPolicy
 	// MaxClockSkew rejects events whose id lies further in the future than
 	// this: a producer clock that far ahead would put the claim in a range
-	// that ages out late and breaks the horizon arithmetic. 0 disables.
+	// that ages out late and breaks the horizon arithmetic. Default:
+	// [DefaultMaxClockSkew]. Negative: no bound.
 	MaxClockSkew time.Duration
 	// Now, if set, replaces the database's clock in the horizon checks, for
 	// tests that move time. Default: the database's clock when the claim
@@ -213,10 +217,17 @@ func (c *Config) setDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.MaxClockSkew == 0 {
+		c.MaxClockSkew = DefaultMaxClockSkew
+	}
 	if c.TooOld == "" {
 		c.TooOld = RejectTooOld
 	}
 }
+
+// DefaultMaxClockSkew is how far ahead of the database's clock an event's id
+// may lie: five minutes, well beyond a synchronised clock's drift.
+const DefaultMaxClockSkew = 5 * time.Minute
 
 // TooOldPolicy says what to do with an event older than the dedup horizon.
 type TooOldPolicy string
@@ -244,9 +255,6 @@ func (c Config) Validate() error {
 	}
 	if c.FinishTimeout < 0 || c.StatementTimeout < 0 {
 		errs = append(errs, errors.New("idempotency: Config.FinishTimeout and Config.StatementTimeout must not be negative"))
-	}
-	if c.MaxEventAge < 0 || c.MaxClockSkew < 0 {
-		errs = append(errs, errors.New("idempotency: Config.MaxEventAge and Config.MaxClockSkew must not be negative"))
 	}
 	if c.TooOld != "" && c.TooOld != RejectTooOld && c.TooOld != ProcessTooOld {
 		errs = append(errs, fmt.Errorf("idempotency: Config.TooOld %q: want %q or %q", c.TooOld, RejectTooOld, ProcessTooOld))
@@ -417,7 +425,7 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // checkHorizon applies MaxEventAge and MaxClockSkew to the time in the id,
 // at now on the database's clock.
 func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time, maxAge time.Duration) error {
-	if maxAge == 0 && m.cfg.MaxClockSkew == 0 {
+	if maxAge == 0 && m.cfg.MaxClockSkew <= 0 {
 		return nil
 	}
 	at := uuidV7Time(key)
@@ -559,11 +567,17 @@ func (m *Middleware) log(msg *message.Message, level slog.Level, text string, ke
 // the recorded retention (retentionSeconds, NULL when none is recorded)
 // keeps claims, whatever this process was started with.
 func (m *Middleware) maxAge(retentionSeconds pgtype.Int8) time.Duration {
-	maxAge := m.cfg.MaxEventAge
-	if retentionSeconds.Valid && maxAge > 0 {
-		maxAge = min(maxAge, time.Duration(retentionSeconds.Int64)*time.Second-m.cfg.MaxClockSkew)
+	if m.cfg.MaxEventAge < 0 {
+		return 0
 	}
-	return maxAge
+	if !retentionSeconds.Valid {
+		return m.cfg.MaxEventAge
+	}
+	byRetention := max(time.Duration(retentionSeconds.Int64)*time.Second-max(m.cfg.MaxClockSkew, 0), time.Second)
+	if m.cfg.MaxEventAge == 0 {
+		return byRetention
+	}
+	return min(m.cfg.MaxEventAge, byRetention)
 }
 
 // uuidParam is an event id as a statement parameter. pgx encodes a

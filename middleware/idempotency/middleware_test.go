@@ -847,7 +847,7 @@ func TestARecordedShorterRetentionTightensTheHorizon(t *testing.T) {
 			t.Fatalf("%s: five days old under a week's retention: %v", name, err)
 		}
 	}
-	rcfg := retention.Config{DB: pool, Schema: names.Schema, Table: names.ClaimTable, Retention: 3 * 24 * time.Hour}
+	rcfg := retention.Config{DB: pool, Tables: names, Retention: 3 * 24 * time.Hour}
 	if err := retention.SetRetention(ctx, rcfg); err != nil {
 		t.Fatal(err)
 	}

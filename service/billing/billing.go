@@ -52,10 +52,10 @@ type Handler struct {
 	// confirmation is past the horizon it never will, and the cancellation
 	// is dead-lettered for a person to reconcile. 0: wait without end.
 	Horizon time.Duration
-	// Outbox and Topic: where payment events go. Without an Outbox, none are
-	// published.
-	Outbox *outbox.Outbox
-	Topic  string
+	// Publish writes a payment event in the claim's transaction, to reach
+	// Kafka when it commits (once.PublishTo of the payments topic). Without
+	// it, none are published.
+	Publish func(ctx context.Context, tx pgx.Tx, ev order.Payment) error
 	// Now is the clock of the events' occurred_at. Default time.Now.
 	Now func() time.Time
 }
@@ -73,9 +73,6 @@ func (h Handler) Validate() error {
 	}
 	if !currencyCode.MatchString(h.Currency) {
 		errs = append(errs, fmt.Errorf("billing: Handler.Currency %q is not an ISO 4217 code such as EUR", h.Currency))
-	}
-	if h.Outbox != nil && h.Topic == "" {
-		errs = append(errs, errors.New("billing: Handler.Topic is required with an Outbox"))
 	}
 	return errors.Join(errs...)
 }
@@ -212,10 +209,10 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev order.Confirmed)
 	return h.publish(ctx, tx, charged)
 }
 
-// eventID is the id of a payment event billing publishes, or nil without
-// an outbox.
+// eventID is the id of a payment event billing publishes, or nil when it
+// publishes none.
 func (h Handler) eventID(p order.Payment) *uuid.UUID {
-	if h.Outbox == nil {
+	if h.Publish == nil {
 		return nil
 	}
 	id := p.EventID()
@@ -369,14 +366,10 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev order.Cancelled)
 // publish writes a payment event into the claim's transaction: it reaches
 // Kafka if and only if the transaction commits.
 func (h Handler) publish(ctx context.Context, tx pgx.Tx, ev order.Payment) error {
-	if h.Outbox == nil {
+	if h.Publish == nil {
 		return nil
 	}
-	b, err := ev.MarshalJSON()
-	if err != nil {
-		return err
-	}
-	return h.Outbox.Publish(ctx, tx, outbox.Message{Topic: h.Topic, Key: strconv.FormatInt(ev.OrderID(), 10), ID: ev.EventID().String(), Payload: b})
+	return h.Publish(ctx, tx, ev)
 }
 
 // uuidTime is the millisecond timestamp of a UUIDv7.

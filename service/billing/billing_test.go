@@ -21,6 +21,7 @@ import (
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/schema"
 	"github.com/once-dev/once/service/billing"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/payment"
@@ -55,14 +56,20 @@ func setup(t *testing.T) *fixture {
 	}
 	// An outbox table of the tests' own: nothing forwards it, and a
 	// forwarder elsewhere must never meet rows for a topic that does not exist.
-	box, err := outbox.New(outbox.Config{Table: "billing_test_outbox"})
+	box, err := outbox.New(schema.Config{Outbox: "billing_test_outbox"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := box.Init(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
-	h := billing.Handler{Payments: c, Currency: "EUR", DB: pool, Outbox: box, Topic: paymentTopic}
+	h := billing.Handler{Payments: c, Currency: "EUR", DB: pool, Publish: func(ctx context.Context, tx pgx.Tx, ev order.Payment) error {
+		b, err := ev.MarshalJSON()
+		if err != nil {
+			return err
+		}
+		return box.Publish(ctx, tx, outbox.Message{Topic: paymentTopic, Key: strconv.FormatInt(ev.OrderID(), 10), ID: ev.EventID().String(), Payload: b})
+	}}
 	group := "billing-" + uuid.NewString()[:8]
 	return &fixture{pool: pool, provider: p, client: c, handler: h,
 		confirmed: oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Group: group, Handle: h.OnConfirmed}),
@@ -397,9 +404,8 @@ func TestSettingsAreValidated(t *testing.T) {
 			t.Errorf("currency %q accepted", c)
 		}
 	}
-	box, _ := outbox.New(outbox.Config{Table: "billing_test_outbox"})
-	err := billing.Handler{Outbox: box}.Validate()
-	for _, want := range []string{"Payments", "DB", "Currency", "Topic"} {
+	err := billing.Handler{}.Validate()
+	for _, want := range []string{"Payments", "DB", "Currency"} {
 		if err == nil || !contains(err.Error(), want) {
 			t.Errorf("missing settings: %v; want %s named", err, want)
 		}

@@ -23,15 +23,16 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once"
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
+	"github.com/once-dev/once/internal/reference"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/analytics"
-	"github.com/once-dev/once/service/billing"
 	"github.com/once-dev/once/service/order"
 	"github.com/once-dev/once/service/orders"
 	"github.com/once-dev/once/service/payment"
@@ -60,12 +61,12 @@ type Config struct {
 	Progress io.Writer // a live status line; nil for none
 	Logger   *slog.Logger
 
-	// Operations hooks (metrics, readiness), each optional: Instrument
-	// changes each pipeline's configuration before it is made, Watch is
-	// given each pipeline once made, OnPaymentAttempt is the payment
-	// client's OnAttempt.
-	Instrument       func(*pipeline.Config) error
-	Watch            func(*pipeline.Pipeline)
+	// Operations, each optional: Registry holds the metrics of every
+	// service the demo runs, OnService is given each once it runs (its
+	// Handler answers /readyz), OnPaymentAttempt is the payment client's
+	// OnAttempt.
+	Registry         *prometheus.Registry
+	OnService        func(*once.Service)
 	OnPaymentAttempt func(payment.Attempt)
 }
 
@@ -115,6 +116,7 @@ var declineAbove = decimal.NewFromInt(10000)
 type run struct {
 	cfg       Config
 	id        string
+	suffix    string // of every topic and group
 	confirmed string // topics; each has a dead-letter topic, name + ".dlq"
 	cancelled string
 	payments  string
@@ -154,6 +156,7 @@ func Run(ctx context.Context, cfg Config) (Summary, error) {
 	r := &run{
 		cfg:       cfg,
 		id:        id,
+		suffix:    suffix,
 		confirmed: "order.confirmed.v1" + suffix,
 		cancelled: "order.cancelled.v1" + suffix,
 		payments:  "payment.events.v1" + suffix,
@@ -291,85 +294,56 @@ func (r *run) startProvider(ctx context.Context) (stop func(), err error) {
 }
 
 func (r *run) startBilling(ctx context.Context) (stop func(), err error) {
-	box, err := outbox.New(outbox.Config{Logger: r.cfg.Logger})
-	if err != nil {
-		return nil, err
-	}
-	// Charge intents are committed outside the claim's transaction, from a
-	// small pool of their own.
-	cfg := r.cfg.DB.Config().Copy()
-	cfg.MaxConns = 4
-	intents, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	h := billing.Handler{Payments: r.client, Currency: Currency, DB: intents, Outbox: box, Topic: r.payments}
-	stopPipeline, err := r.startPipeline(ctx,
-		pipeline.Topic[order.Confirmed]{Name: r.confirmed, DLQ: dlqOf(r.confirmed), Decode: order.DecodeConfirmed,
-			Groups: []pipeline.Group[order.Confirmed]{{Name: r.billing, Handle: h.OnConfirmed}}},
-		pipeline.Topic[order.Cancelled]{Name: r.cancelled, DLQ: dlqOf(r.cancelled), Decode: order.DecodeCancelled,
-			Groups: []pipeline.Group[order.Cancelled]{{Name: r.billing, Handle: h.OnCancelled}}},
-	)
-	if err != nil {
-		intents.Close()
-		return nil, err
-	}
-	return func() { stopPipeline(); intents.Close() }, nil
+	return r.startService(ctx, reference.Billing)
 }
 
 func (r *run) startAnalytics(ctx context.Context) (stop func(), err error) {
-	h := analytics.Handler{}
-	// Analytics counts orders with the group commit (a hundred events per
-	// transaction): the demo's duplicates, poison and replays go through
-	// the batched mode's guarantees too.
-	return r.startPipeline(ctx,
-		pipeline.Topic[order.Confirmed]{Name: r.confirmed, DLQ: dlqOf(r.confirmed), Decode: order.DecodeConfirmed,
-			Groups: []pipeline.Group[order.Confirmed]{{Name: r.analytics, HandleBatch: h.OnConfirmedBatch}}},
-		pipeline.Topic[order.Payment]{Name: r.payments, DLQ: dlqOf(r.payments), Decode: order.DecodePayment,
-			Groups: []pipeline.Group[order.Payment]{{Name: r.analytics, Handle: h.OnPayment}}},
-	)
+	return r.startService(ctx, reference.Analytics)
 }
 
-func (r *run) startPipeline(ctx context.Context, topics ...pipeline.Binding) (stop func(), err error) {
-	cfg := pipeline.Config{
-		Brokers:      r.cfg.Brokers,
-		KafkaVersion: r.cfg.KafkaVersion,
-		DB:           r.cfg.DB,
-		Topics:       topics,
-		Logger:       r.cfg.Logger,
-		OnResult:     r.counts.result,
-		OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, d.Topic, "dead_lettered") },
-		OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, d.Topic, "delivered") },
-		OnForwarded:  func(f pipeline.Forwarded) { r.counts.add("", f.Topic, "forwarded") },
-	}
-	if r.cfg.Instrument != nil {
-		if err := r.cfg.Instrument(&cfg); err != nil {
-			return nil, err
-		}
-	}
-	p, err := pipeline.New(cfg)
+// startService runs one group of the reference service, as app serve
+// would: billing, or analytics, which counts orders with the group commit
+// (a hundred events per transaction) so that the demo's duplicates, poison
+// and replays go through the batched mode's guarantees too.
+func (r *run) startService(ctx context.Context, group string) (stop func(), err error) {
+	svc, err := reference.New(ctx, reference.Config{
+		Service: once.Config{
+			Brokers: r.cfg.Brokers, KafkaVersion: r.cfg.KafkaVersion, DB: r.cfg.DB, Registry: r.cfg.Registry, Logger: r.cfg.Logger,
+			MaintenanceInterval: -1,
+			Hooks: once.Hooks{
+				OnResult:     r.counts.result,
+				OnDeadLetter: func(d pipeline.DeadLetter) { r.counts.add(d.Group, d.Topic, "dead_lettered") },
+				OnDelivered:  func(d pipeline.Delivery) { r.counts.add(d.Group, d.Topic, "delivered") },
+				OnForwarded:  func(f pipeline.Forwarded) { r.counts.add("", f.Topic, "forwarded") },
+			},
+		},
+		Groups: []string{group}, GroupSuffix: r.suffix,
+		ConfirmedTopic: r.confirmed, CancelledTopic: r.cancelled, PaymentTopic: r.payments,
+		Currency: Currency, Payments: r.client, AnalyticsBatch: 100,
+	})
 	if err != nil {
 		return nil, err
-	}
-	if r.cfg.Watch != nil {
-		r.cfg.Watch(p)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() {
-		if err := p.Run(ctx); err != nil {
-			r.cfg.Logger.Error("pipeline stopped", "err", err)
+		if err := svc.Run(ctx); err != nil {
+			r.cfg.Logger.Error("service stopped", "group", group, "err", err)
 		}
 		close(done)
 	}()
 	select {
-	case <-p.Running():
+	case <-svc.Pipeline().Running():
 	case <-done:
 		cancel()
-		return nil, errors.New("demo: a pipeline stopped at start-up")
+		svc.Close()
+		return nil, fmt.Errorf("demo: %s stopped at start-up", group)
+	}
+	if r.cfg.OnService != nil {
+		r.cfg.OnService(svc.Service)
 	}
 	var once sync.Once
-	return func() { once.Do(func() { cancel(); <-done }) }, nil
+	return func() { once.Do(func() { cancel(); <-done; svc.Close() }) }, nil
 }
 
 func (r *run) startOrders(ctx context.Context) (*orders.Service, func(), error) {

@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/schema"
 	"github.com/once-dev/once/service/order"
 )
 
@@ -74,7 +75,7 @@ func NewService(cfg Config) (*Service, error) {
 		return nil, errors.New("orders: Config.DB and Config.Topic are required")
 	}
 	// The names watermill-sql gave the tables when it created them.
-	box, err := outbox.New(outbox.Config{Table: "watermill_" + cfg.OutboxTopic, OffsetsTable: "watermill_offsets_" + cfg.OutboxTopic, Logger: cfg.Logger})
+	box, err := outbox.New(schema.Config{Outbox: "watermill_" + cfg.OutboxTopic, OutboxOffsets: "watermill_offsets_" + cfg.OutboxTopic}, cfg.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("orders: %w", err)
 	}

@@ -1,0 +1,209 @@
+// Package reference assembles the reference service on the library's front
+// door (package once): billing and analytics on the order topics, billing's
+// payment events through the consumer outbox. app serve and app demo both
+// run it; they differ only in where the settings come from.
+package reference
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once"
+	"github.com/once-dev/once/pgdb"
+	"github.com/once-dev/once/service/analytics"
+	"github.com/once-dev/once/service/billing"
+	"github.com/once-dev/once/service/order"
+)
+
+// The consumer groups the reference service can run, by their base names.
+const (
+	Billing   = "billing"
+	Analytics = "analytics"
+)
+
+// Groups are the groups it can run.
+var Groups = []string{Analytics, Billing}
+
+// Config is the reference service: the library's settings and what its
+// groups need.
+type Config struct {
+	// Service holds the library's settings: brokers, databases (by full
+	// group names, suffix included), timeouts, hooks. Its Topics and
+	// Outgoing are filled here.
+	Service once.Config
+	// Groups to run, by base name. Default: both.
+	Groups []string
+	// GroupSuffix is appended to every group's name (isolated copies side
+	// by side, as the tests run them).
+	GroupSuffix string
+	// The topics, full names.
+	ConfirmedTopic, CancelledTopic, PaymentTopic string
+	// Currency billing charges in (the guide's events carry none).
+	Currency string
+	// Payments is billing's payment provider client.
+	Payments billing.Provider
+	// AnalyticsBatch turns on analytics' group commit on the confirmations:
+	// up to this many events per transaction. 0: one per transaction.
+	AnalyticsBatch int
+	// TooOld is each group's policy for events past the dedup horizon, by
+	// base name. Default: reject.
+	TooOld map[string]once.TooOldPolicy
+}
+
+// Group is a group's full name.
+func (c Config) Group(base string) string { return base + c.GroupSuffix }
+
+// Service is the reference service on the front door, and the small pool
+// billing commits its charge intents from.
+type Service struct {
+	*once.Service
+	intents *pgxpool.Pool
+}
+
+// New builds the reference service's topics and handlers and the service.
+func New(ctx context.Context, cfg Config) (*Service, error) {
+	if len(cfg.Groups) == 0 {
+		cfg.Groups = Groups
+	}
+	for _, g := range cfg.Groups {
+		if !slices.Contains(Groups, g) {
+			return nil, fmt.Errorf("reference: unknown group %q: want %v", g, Groups)
+		}
+	}
+	oc := cfg.Service
+	confirmed := once.Topic[order.Confirmed]{Name: cfg.ConfirmedTopic, Decode: order.DecodeConfirmed}
+	cancelled := once.Topic[order.Cancelled]{Name: cfg.CancelledTopic, Decode: order.DecodeCancelled}
+	payments := once.Topic[order.Payment]{Name: cfg.PaymentTopic, Decode: order.DecodePayment}
+	s := &Service{}
+	if slices.Contains(cfg.Groups, Analytics) {
+		h := analytics.Handler{}
+		g := once.Group[order.Confirmed]{Name: cfg.Group(Analytics), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Analytics]}
+		if cfg.AnalyticsBatch > 0 {
+			g.Handle, g.HandleBatch, g.Batch = nil, h.OnConfirmedBatch, once.Batch{Size: cfg.AnalyticsBatch}
+		}
+		confirmed.Groups = append(confirmed.Groups, g)
+		payments.Groups = append(payments.Groups, once.Group[order.Payment]{Name: cfg.Group(Analytics), Handle: h.OnPayment, TooOld: cfg.TooOld[Analytics]})
+	}
+	var billingDB *pgxpool.Pool
+	if slices.Contains(cfg.Groups, Billing) {
+		// Charge intents are committed outside the claim's transaction:
+		// from a small pool of their own, so that an attempt holding a
+		// claim's connection never waits for another of the same pool.
+		intents, err := intentsPool(ctx, oc, cfg.Group(Billing))
+		if err != nil {
+			return nil, err
+		}
+		s.intents = intents
+		h := billing.Handler{Payments: cfg.Payments, Currency: cfg.Currency, DB: intents, Horizon: billingHorizon(oc, cfg.TooOld[Billing]),
+			Publish: func(ctx context.Context, tx pgx.Tx, ev order.Payment) error {
+				return once.PublishTo(ctx, tx, cfg.PaymentTopic, ev)
+			}}
+		if err := h.Validate(); err != nil {
+			intents.Close()
+			return nil, err
+		}
+		confirmed.Groups = append(confirmed.Groups, once.Group[order.Confirmed]{Name: cfg.Group(Billing), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Billing]})
+		cancelled.Groups = append(cancelled.Groups, once.Group[order.Cancelled]{Name: cfg.Group(Billing), Handle: h.OnCancelled, TooOld: cfg.TooOld[Billing]})
+		oc.Outgoing = append(oc.Outgoing, once.Outgoing[order.Payment]{Name: cfg.PaymentTopic,
+			Key:    func(p order.Payment) string { return strconv.FormatInt(p.OrderID(), 10) },
+			Encode: func(p order.Payment) ([]byte, error) { return p.MarshalJSON() }})
+		retain := oc.Retention
+		if retain == 0 {
+			retain = once.DefaultRetention
+		}
+		onMaintenance := oc.OnMaintenance
+		oc.OnMaintenance = func(ctx context.Context, db pgdb.DB) error {
+			var err error
+			if onMaintenance != nil {
+				err = onMaintenance(ctx, db)
+			}
+			if billingDB == nil || db != pgdb.DB(billingDB) {
+				return err
+			}
+			// Intents whose payment is recorded serve no more purpose.
+			_, perr := billing.PruneIntents(ctx, db, retain)
+			return errors.Join(err, perr)
+		}
+	}
+	if len(confirmed.Groups) > 0 {
+		oc.Topics = append(oc.Topics, confirmed)
+	}
+	if len(cancelled.Groups) > 0 {
+		oc.Topics = append(oc.Topics, cancelled)
+	}
+	if len(payments.Groups) > 0 {
+		oc.Topics = append(oc.Topics, payments)
+	}
+	svc, err := once.New(ctx, oc)
+	if err != nil {
+		if s.intents != nil {
+			s.intents.Close()
+		}
+		return nil, err
+	}
+	s.Service = svc
+	if slices.Contains(cfg.Groups, Billing) {
+		billingDB = svc.DB(cfg.Group(Billing))
+	}
+	return s, nil
+}
+
+// Close closes the service and billing's pool.
+func (s *Service) Close() {
+	s.Service.Close()
+	if s.intents != nil {
+		s.intents.Close()
+	}
+}
+
+// intentsPool opens a small pool of the billing group's database.
+func intentsPool(ctx context.Context, oc once.Config, group string) (*pgxpool.Pool, error) {
+	var cfg *pgxpool.Config
+	switch url, own := oc.GroupDatabases[group]; {
+	case own:
+		c, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			return nil, fmt.Errorf("reference: GroupDatabases[%s]: %w", group, err)
+		}
+		cfg = c
+	case oc.DB != nil:
+		cfg = oc.DB.Config().Copy()
+	default:
+		c, err := pgxpool.ParseConfig(oc.DatabaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("reference: DatabaseURL: %w", err)
+		}
+		cfg = c
+	}
+	cfg.MaxConns = 4
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// billingHorizon is the age past which billing's confirmations are never
+// processed again, or 0 when they always are (TooOld process): then a
+// confirmation past the horizon still settles its charge, and its
+// cancellation waits for it instead of being dead-lettered as one whose
+// charge will never be recorded.
+func billingHorizon(oc once.Config, tooOld once.TooOldPolicy) time.Duration {
+	if tooOld == once.ProcessTooOld {
+		return 0
+	}
+	retain, skew := oc.Retention, oc.MaxClockSkew
+	if retain == 0 {
+		retain = once.DefaultRetention
+	}
+	if skew == 0 {
+		skew = once.DefaultMaxClockSkew
+	}
+	if oc.MaxEventAge > 0 {
+		return oc.MaxEventAge
+	}
+	return retain - skew
+}
