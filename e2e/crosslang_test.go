@@ -13,7 +13,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/orderevents"
 )
 
 // seedpeer returns the style guide's Python (a venv with pydantic and
@@ -139,7 +139,7 @@ func (s *scenario) guidesProducer(asStrings, asNumbers int, dupRate string, duri
 	}
 	seen := map[string]bool{}
 	for _, m := range s.readTopic(all) {
-		ev, err := order.DecodeConfirmed(m.Value)
+		ev, err := orderevents.DecodeConfirmed(m.Value)
 		if err != nil {
 			t.Fatalf("our decoder refuses what pydantic wrote: %v\n%s", err, m.Value)
 		}

@@ -19,8 +19,8 @@ import (
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/retention"
-	"github.com/once-dev/once/service/order"
 )
 
 // window is how long a fault lasts: short in the suite, longer when soaking.
@@ -401,7 +401,7 @@ func (s *scenario) eventIDs() []string {
 }
 
 // waitAnalyticsClaims waits until analytics claimed every one of events.
-func (s *scenario) waitAnalyticsClaims(events []order.Confirmed, timeout time.Duration) error {
+func (s *scenario) waitAnalyticsClaims(events []orderevents.Confirmed, timeout time.Duration) error {
 	s.t.Helper()
 	ids := make([]string, 0, len(events))
 	for _, ev := range events {
@@ -437,7 +437,7 @@ func (s *scenario) waitClaims(group string, n int, timeout time.Duration) {
 }
 
 // analyticsClaimsOf counts analytics' claims of events.
-func (s *scenario) analyticsClaimsOf(events []order.Confirmed) int {
+func (s *scenario) analyticsClaimsOf(events []orderevents.Confirmed) int {
 	ids := make([]string, 0, len(events))
 	for _, ev := range events {
 		ids = append(ids, ev.EventID().String())
@@ -534,7 +534,7 @@ func (s *scenario) placeOrder(orders *proc, amount decimal.Decimal) {
 			var b bytes.Buffer
 			_, _ = b.ReadFrom(resp.Body)
 			resp.Body.Close()
-			ev, err := order.DecodeConfirmed(b.Bytes())
+			ev, err := orderevents.DecodeConfirmed(b.Bytes())
 			if err != nil {
 				s.t.Errorf("the order service answered an event we cannot read: %v", err)
 				return

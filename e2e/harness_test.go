@@ -26,10 +26,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/orderevents"
+	"github.com/once-dev/once/payment"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/order"
-	"github.com/once-dev/once/service/payment"
 )
 
 const (
@@ -61,9 +62,9 @@ type scenario struct {
 	ordersURL     string
 
 	mu        sync.Mutex
-	events    []order.Confirmed
-	declined  []order.Confirmed // priced above the provider's decline limit
-	cancelled []order.Cancelled
+	events    []orderevents.Confirmed
+	declined  []orderevents.Confirmed // priced above the provider's decline limit
+	cancelled []orderevents.Cancelled
 	poison    [][]byte
 	customers []int64
 	// analytics' totals of the customers before the scenario: customers of
@@ -107,7 +108,7 @@ func newScenarioOn(t *testing.T, name string, partitions int32, brokers []string
 	s := &scenario{
 		t:        t,
 		name:     name,
-		pool:     testenv.Postgres(t),
+		pool:     reftest.Postgres(t),
 		brokers:  brokers,
 		topic:    "order.confirmed.v1" + suffix,
 		cancels:  "order.cancelled.v1" + suffix,
@@ -294,9 +295,9 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 	return s.startEnv(name, env, append(args, extra...)...)
 }
 
-func (s *scenario) newEvent(amount decimal.Decimal) order.Confirmed {
+func (s *scenario) newEvent(amount decimal.Decimal) orderevents.Confirmed {
 	s.t.Helper()
-	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62),
+	ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62),
 		s.customers[len(s.events)%len(s.customers)], amount)
 	if err != nil {
 		s.t.Fatal(err)
@@ -349,9 +350,9 @@ func (s *scenario) cancelWhilePublishing(done <-chan struct{}, interval time.Dur
 		case <-tick.C:
 		}
 		s.mu.Lock()
-		var pick []order.Confirmed
+		var pick []orderevents.Confirmed
 		if n := len(s.events); n > 20 {
-			for _, ev := range []order.Confirmed{s.events[n-1], s.events[rand.IntN(n/2)]} {
+			for _, ev := range []orderevents.Confirmed{s.events[n-1], s.events[rand.IntN(n/2)]} {
 				if !cancelled[ev.OrderID()] {
 					cancelled[ev.OrderID()] = true
 					pick = append(pick, ev)
@@ -414,10 +415,10 @@ func (s *scenario) recancel(n int) {
 
 // cancel publishes an order.cancelled.v1 for each event's order, keyed by
 // the order id, as the order service would.
-func (s *scenario) cancel(events []order.Confirmed) {
+func (s *scenario) cancel(events []orderevents.Confirmed) {
 	s.t.Helper()
 	for _, ev := range events {
-		c, err := order.NewCancelled(uuid.Must(uuid.NewV7()), time.Now(), ev.OrderID(), "e2e")
+		c, err := orderevents.NewCancelled(uuid.Must(uuid.NewV7()), time.Now(), ev.OrderID(), "e2e")
 		if err != nil {
 			s.t.Fatal(err)
 		}
@@ -430,9 +431,9 @@ func (s *scenario) cancel(events []order.Confirmed) {
 }
 
 // publish sends n fresh valid events, keyed by order id, pausing between them.
-func (s *scenario) publish(n int, pause time.Duration) []order.Confirmed {
+func (s *scenario) publish(n int, pause time.Duration) []orderevents.Confirmed {
 	s.t.Helper()
-	var out []order.Confirmed
+	var out []orderevents.Confirmed
 	for i := range n {
 		ev := s.newEvent(decimal.New(int64(100+(len(s.events)*37)%20000), -2))
 		s.sendEvent(ev, &s.events)
@@ -446,7 +447,7 @@ func (s *scenario) publish(n int, pause time.Duration) []order.Confirmed {
 
 // sendEvent remembers ev in list (for the checks) and publishes it, keyed by
 // its order id.
-func (s *scenario) sendEvent(ev order.Confirmed, list *[]order.Confirmed) {
+func (s *scenario) sendEvent(ev orderevents.Confirmed, list *[]orderevents.Confirmed) {
 	s.t.Helper()
 	s.mu.Lock()
 	*list = append(*list, ev)
@@ -457,9 +458,9 @@ func (s *scenario) sendEvent(ev order.Confirmed, list *[]order.Confirmed) {
 
 // publishDeclined sends n events the provider declines: billing records them
 // as failed and dead-letters them; analytics counts them.
-func (s *scenario) publishDeclined(n int) []order.Confirmed {
+func (s *scenario) publishDeclined(n int) []orderevents.Confirmed {
 	s.t.Helper()
-	var out []order.Confirmed
+	var out []orderevents.Confirmed
 	for range n {
 		ev := s.newEvent(decimal.RequireFromString("10000.01"))
 		s.sendEvent(ev, &s.declined)
@@ -470,7 +471,7 @@ func (s *scenario) publishDeclined(n int) []order.Confirmed {
 
 // republish sends events again as a producer would: same bytes; with
 // otherKey the copy lands on another partition, so two consumers race on it.
-func (s *scenario) republish(events []order.Confirmed, otherKey bool) {
+func (s *scenario) republish(events []orderevents.Confirmed, otherKey bool) {
 	s.t.Helper()
 	for _, ev := range events {
 		b, _ := ev.MarshalJSON()
@@ -649,7 +650,7 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	}
 	rows.Close()
 
-	want := map[string]order.Confirmed{} // orders that must be charged once
+	want := map[string]orderevents.Confirmed{} // orders that must be charged once
 	total := decimal.Zero
 	for _, ev := range s.events {
 		switch st := status[key(ev.OrderID())]; {
@@ -982,7 +983,7 @@ func freshPool(t *testing.T) *pgxpool.Pool {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		pool := testenv.Postgres(t)
+		pool := reftest.Postgres(t)
 		if err := pool.Ping(context.Background()); err == nil || time.Now().After(deadline) {
 			return pool
 		}

@@ -16,7 +16,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/service/order"
+	"github.com/once-dev/once/orderevents"
 )
 
 // scale multiplies counts in the soak variant.
@@ -50,7 +50,7 @@ func TestDuplicatesFromEverySource(t *testing.T) {
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
 	// Cancelled before they are confirmed: the cancellation blocks the charge.
-	early := make([]order.Confirmed, 10)
+	early := make([]orderevents.Confirmed, 10)
 	for i := range early {
 		early[i] = s.newEvent(decimal.RequireFromString("20.00"))
 	}

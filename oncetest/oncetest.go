@@ -1,188 +1,365 @@
-// Package oncetest runs a consumer group's handler the way the pipeline does,
-// against a real PostgreSQL and without Kafka, so a team can test its own
-// handlers: each delivery claims the event in the real claim table through
-// the real idempotency middleware, runs the handler in the claim's
-// transaction, and commits or rolls back exactly as in production. Deliver
-// an event twice and assert that its effect happened once.
+// Package oncetest runs a team's topics the way the pipeline does, in the
+// test's process, against a real PostgreSQL and without Kafka: each message
+// sent goes through every group of its topic (the group's Extra middleware,
+// the topic's Decode on the bytes, the claim or the group commit, the
+// handler in the claim's transaction, the commit; a dead letter parked in
+// the database; the events the handler publishes written to the outbox).
+// Send an event twice and see that its effect happened once.
 //
-//	h := oncetest.New(t, oncetest.Config[order.Confirmed]{DB: pool, Handle: analytics.Handler{}.OnConfirmed})
-//	h.DeliverTwice(ev) // fails the test unless the second delivery was a skipped duplicate
-//	// then count the handler's rows: one effect.
+//	db := oncetest.NewDB(t) // a schema of this test's own; skips without DATABASE_URL
+//	h := oncetest.New(t, oncetest.Config{DB: db.Pool, Tables: db.Tables, Topics: topics, Outgoing: outgoing})
+//	h.RequireOnce("invoice.issued.v1", oncetest.JSON("key", ev)) // rolled back, processed, then a duplicate, in every group
+//	got := oncetest.Published(t, h, "customer.billed.v1", decodeBilled)
+//
+// What is Kafka's own (offsets, sessions, rebalances, forwarding the outbox
+// and the parked dead letters) is not run here; the library's end-to-end
+// tests cover it.
 package oncetest
 
 import (
 	"context"
 	"encoding/json"
-	"errors"
-	"testing"
+	"fmt"
+	"os"
+	"strings"
+	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/schema"
 )
 
-// Config configures a [Harness].
-type Config[E pipeline.Event] struct {
-	// DB holds the claim table (package schema) and the handler's tables. Required.
-	DB pipeline.DB
-	// Handle is the handler under test. Required.
-	Handle pipeline.HandlerFunc[E]
-	// Group is the consumer group of the claims. Default: a name unique to
-	// this harness, so that tests never see each other's claims.
-	Group string
-	// Encode gives an event's payload bytes, whose hash tells a redelivery
-	// from a reused id. Default: json.Marshal.
-	Encode func(E) ([]byte, error)
-	// Tables names the claim table. Default: schema's defaults.
+// TB is what the harness needs of a test: *testing.T and *testing.B are
+// one.
+type TB interface {
+	Helper()
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Skip(args ...any)
+	Cleanup(func())
+}
+
+// DB is a database of one test's own: a schema made for it, dropped when
+// the test ends, that holds the library's tables and comes first in the
+// search_path of Pool's connections, so that the tables the test creates
+// without naming a schema land in it too.
+type DB struct {
+	Pool   *pgxpool.Pool
+	Schema string
+	// Tables are the library's tables in Schema: give them to Config, and
+	// to once.Config in a test that runs the whole service.
 	Tables schema.Config
 }
 
-// Harness delivers events to one handler as one consumer group.
-type Harness[E pipeline.Event] struct {
-	t    testing.TB
-	cfg  Config[E]
-	idem *idempotency.Middleware
-	runs int
-	last idempotency.Result
-}
-
-// Delivery is what one delivery did.
-type Delivery struct {
-	// Outcome of the claim: Processed, Duplicate, Rejected, Failed...
-	Outcome idempotency.Outcome
-	// Err is what the pipeline would act on: nil (acknowledged), permanent
-	// (dead-lettered, see [Delivery.DeadLettered]) or anything else (rolled
-	// back and delivered again).
-	Err error
-	// HandlerRan says whether the handler was called in this delivery.
-	HandlerRan bool
-}
-
-// DeadLettered reports whether the pipeline would dead-letter the message.
-func (d Delivery) DeadLettered() bool { return idempotency.IsPermanent(d.Err) }
-
-// New returns a harness; it fails t on a bad configuration.
-func New[E pipeline.Event](t testing.TB, cfg Config[E]) *Harness[E] {
+// NewDB connects to DATABASE_URL and makes the test's schema, with the
+// library's tables migrated in it. Without DATABASE_URL the test is
+// skipped.
+func NewDB(t TB) *DB {
 	t.Helper()
-	if cfg.Group == "" {
-		cfg.Group = "oncetest-" + uuid.NewString()[:12]
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		t.Skip("oncetest: DATABASE_URL is not set (a PostgreSQL the test may create schemas in)")
 	}
-	if cfg.Encode == nil {
-		cfg.Encode = func(ev E) ([]byte, error) { return json.Marshal(ev) }
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	name := "oncetest_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
+	admin, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatalf("oncetest: DATABASE_URL: %v", err)
 	}
-	if cfg.Handle == nil {
-		t.Fatal("oncetest: Config.Handle is required")
+	defer admin.Close()
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+name); err != nil {
+		t.Fatalf("oncetest: create the test's schema: %v", err)
 	}
-	h := &Harness[E]{t: t, cfg: cfg}
-	idem, err := idempotency.New(idempotency.Config{
-		DB:            cfg.DB,
-		ConsumerGroup: cfg.Group,
-		Schema:        cfg.Tables.WithDefaults().Schema,
-		Table:         cfg.Tables.WithDefaults().ClaimTable,
-		Key:           eventKey[E],
-		OnResult:      func(r idempotency.Result) { h.last = r },
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if cleanup, err := pgxpool.New(ctx, url); err == nil {
+			_, _ = cleanup.Exec(ctx, "DROP SCHEMA IF EXISTS "+name+" CASCADE")
+			cleanup.Close()
+		}
 	})
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("oncetest: DATABASE_URL: %v", err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = name + ",public"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatalf("oncetest: connect: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	tables := schema.Config{Schema: name}
+	if _, err := schema.Migrate(ctx, pool, tables); err != nil {
+		t.Fatalf("oncetest: migrate the library's tables: %v", err)
+	}
+	return &DB{Pool: pool, Schema: name, Tables: tables}
+}
+
+// Config is what a [Harness] runs: the Topics and Outgoing of the team's
+// once.Config (or pipeline.Config), on DB.
+type Config struct {
+	// DB holds the library's tables (Tables names them) and the handlers'
+	// tables: a [DB]'s Pool. Required.
+	DB pgdb.DB
+	// Tables names the library's tables. Default: package schema's
+	// defaults; a [DB]'s Tables for a test schema.
+	Tables schema.Config
+	// Topics and their groups, as the service runs them. Required.
+	Topics []pipeline.Binding
+	// Outgoing topics the handlers publish to. Default: none.
+	Outgoing []pipeline.OutgoingBinding
+	// MaxEventAge and MaxClockSkew: as in pipeline.Config.
+	MaxEventAge, MaxClockSkew time.Duration
+}
+
+// Harness sends messages to the topics of a [Config]; see [New].
+type Harness struct {
+	t      TB
+	cfg    Config
+	local  *pipeline.Local
+	outbox *outbox.Outbox
+}
+
+// New builds the topics' handler chains; it fails t on a configuration the
+// pipeline would refuse. They stop when the test ends.
+func New(t TB, cfg Config) *Harness {
+	t.Helper()
+	if cfg.DB == nil {
+		t.Fatal("oncetest: Config.DB is required")
+	}
+	local, err := pipeline.NewLocal(pipeline.Config{DB: cfg.DB, Tables: cfg.Tables, Topics: cfg.Topics, Outgoing: cfg.Outgoing,
+		MaxEventAge: cfg.MaxEventAge, MaxClockSkew: cfg.MaxClockSkew, HoldBackoff: time.Millisecond, HoldMaxBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatalf("oncetest: %v", err)
 	}
-	h.idem = idem
-	return h
-}
-
-type eventCtxKey struct{}
-
-func eventKey[E pipeline.Event](msg *message.Message) (uuid.UUID, error) {
-	return msg.Context().Value(eventCtxKey{}).(E).EventID(), nil
-}
-
-// Group is the consumer group the harness claims as.
-func (h *Harness[E]) Group() string { return h.cfg.Group }
-
-// Runs is how often the handler was called, over all deliveries.
-func (h *Harness[E]) Runs() int { return h.runs }
-
-// errRolledBack is what the harness makes an attempt fail with after the
-// handler ran, to roll it back as a crash or a failed commit would.
-var errRolledBack = errors.New("oncetest: attempt rolled back after the handler ran")
-
-// Deliver delivers ev once, as a Kafka delivery would reach the handler.
-func (h *Harness[E]) Deliver(ev E) Delivery {
-	h.t.Helper()
-	return h.deliver(ev, false)
-}
-
-// DeliverRolledBack delivers ev and rolls the claim's transaction back after
-// the handler returned, whatever it returned: what a crash before the commit
-// leaves behind. Only the handler's effects outside the transaction remain.
-func (h *Harness[E]) DeliverRolledBack(ev E) Delivery {
-	h.t.Helper()
-	return h.deliver(ev, true)
-}
-
-func (h *Harness[E]) deliver(ev E, rollBack bool) Delivery {
-	h.t.Helper()
-	payload, err := h.cfg.Encode(ev)
+	t.Cleanup(local.Close)
+	box, err := outbox.New(cfg.Tables, nil)
 	if err != nil {
-		h.t.Fatalf("oncetest: encode event %s: %v", ev.EventID(), err)
+		t.Fatalf("oncetest: %v", err)
 	}
-	msg := message.NewMessage(uuid.NewString(), payload)
-	msg.SetContext(context.WithValue(context.Background(), eventCtxKey{}, ev))
-	before := h.runs
-	_, err = h.idem.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		h.runs++
-		tx, err := idempotency.TxFromContext(msg.Context())
-		if err != nil {
-			return nil, err
-		}
-		err = h.cfg.Handle(msg.Context(), tx, msg.Context().Value(eventCtxKey{}).(E))
-		if rollBack {
-			return nil, errRolledBack
-		}
-		return nil, err
-	})(msg)
-	return Delivery{Outcome: h.last.Outcome, Err: err, HandlerRan: h.runs > before}
+	return &Harness{t: t, cfg: cfg, local: local, outbox: box}
 }
 
-// DeliverTwice delivers ev three times: an attempt that rolls back after the
-// handler ran ([Harness.DeliverRolledBack]), a delivery that commits, and a
-// redelivery. It fails the test unless the committed delivery ran the
-// handler and the redelivery was a duplicate that did not, and returns
-// those two. Assert afterwards that the handler's effect happened once.
-func (h *Harness[E]) DeliverTwice(ev E) (first, second Delivery) {
-	h.t.Helper()
-	if d := h.DeliverRolledBack(ev); !d.HandlerRan || !errors.Is(d.Err, errRolledBack) || h.Claimed(ev) {
-		h.t.Fatalf("oncetest: rolled-back delivery of %s: handler ran %v, error %v, claimed %v; want a run that left no claim",
-			ev.EventID(), d.HandlerRan, d.Err, h.Claimed(ev))
-	}
-	first = h.Deliver(ev)
-	if !first.HandlerRan || (first.Outcome != idempotency.Processed && first.Outcome != idempotency.Rejected) {
-		h.t.Fatalf("oncetest: first delivery of %s: outcome %s, error %v; want processed or rejected", ev.EventID(), first.Outcome, first.Err)
-	}
-	second = h.Deliver(ev)
-	if second.HandlerRan || second.Outcome != idempotency.Duplicate {
-		h.t.Fatalf("oncetest: second delivery of %s: outcome %s, handler ran %v, error %v; want a skipped duplicate",
-			ev.EventID(), second.Outcome, second.HandlerRan, second.Err)
-	}
-	return first, second
+// Message is a Kafka message as a producer sent it.
+type Message struct {
+	Key     string
+	Payload []byte
+	Headers map[string]string
 }
 
-// Claimed reports whether the group's claim of ev is committed.
-func (h *Harness[E]) Claimed(ev E) bool {
+// JSON is a message whose payload is v's encoding/json bytes (its
+// MarshalJSON, if it has one). It panics if v cannot be encoded, as a
+// test's own event always can.
+func JSON(key string, v any) Message {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("oncetest: JSON of %T: %v", v, err))
+	}
+	return Message{Key: key, Payload: b}
+}
+
+// Outcome is what one group did with one message.
+type Outcome string
+
+const (
+	// Processed: the handler ran and its transaction, with the claim,
+	// committed.
+	Processed Outcome = "processed"
+	// Duplicate: the event was claimed before; the handler did not run.
+	Duplicate Outcome = "duplicate"
+	// DeadLettered: the message is the cause (bad bytes, a reused id, the
+	// handler's permanent verdict); its dead letter is parked.
+	DeadLettered Outcome = "dead-lettered"
+	// Held: an attempt failed for a reason that is not the message's own
+	// and rolled back; the pipeline would try it again.
+	Held Outcome = "held"
+	// NotRun: a message before it in the same Send was held, and it waited.
+	NotRun Outcome = "not run"
+)
+
+// Result is what one group did with one message.
+type Result struct {
+	Group   string
+	Outcome Outcome
+	// Reason is the dead letter's reason, or the held attempt's error.
+	Reason string
+	// EventID is the claim's event id; uuid.Nil when the message never
+	// reached the claim.
+	EventID uuid.UUID
+}
+
+// Results are a Send's results, group by group, each group's in the order
+// of the messages.
+type Results []Result
+
+// Of are group's results.
+func (rs Results) Of(group string) Results {
+	var out Results
+	for _, r := range rs {
+		if r.Group == group {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// Outcomes are the results' outcomes, in order.
+func (rs Results) Outcomes() []Outcome {
+	out := make([]Outcome, len(rs))
+	for i, r := range rs {
+		out[i] = r.Outcome
+	}
+	return out
+}
+
+// Require fails t unless every result has outcome want.
+func (rs Results) Require(t TB, want Outcome) {
+	t.Helper()
+	for _, r := range rs {
+		if r.Outcome != want {
+			t.Fatalf("oncetest: group %s: %s (%s); want %s", r.Group, r.Outcome, r.Reason, want)
+		}
+	}
+}
+
+// Send delivers msgs, in this order, to every group of topic, as the
+// consecutive messages of one partition, and returns what each group did.
+// A batched group gets them all at once, so that they can share a batch.
+func (h *Harness) Send(topic string, msgs ...Message) Results {
 	h.t.Helper()
-	ctx := context.Background()
-	tx, err := h.cfg.DB.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	return h.send(topic, false, msgs)
+}
+
+// SendJSON sends each event as [JSON] with an empty key.
+func (h *Harness) SendJSON(topic string, events ...any) Results {
+	h.t.Helper()
+	msgs := make([]Message, len(events))
+	for i, ev := range events {
+		msgs[i] = JSON("", ev)
+	}
+	return h.send(topic, false, msgs)
+}
+
+// SendRolledBack sends msgs as Send does, but every transaction rolls back
+// after its handler returned, as a crash before the commit would: each
+// message is held, and only the handler's effects outside its transaction
+// remain (which is what this shows: there should be none).
+func (h *Harness) SendRolledBack(topic string, msgs ...Message) Results {
+	h.t.Helper()
+	return h.send(topic, true, msgs)
+}
+
+func (h *Harness) send(topic string, rollBack bool, msgs []Message) Results {
+	h.t.Helper()
+	lm := make([]pipeline.LocalMessage, len(msgs))
+	for i, m := range msgs {
+		lm[i] = pipeline.LocalMessage{Key: m.Key, Payload: m.Payload, Headers: m.Headers}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	deliver := h.local.Deliver
+	if rollBack {
+		deliver = h.local.DeliverRolledBack
+	}
+	got, err := deliver(ctx, topic, lm...)
+	if err != nil {
+		h.t.Fatalf("oncetest: send to %s: %v", topic, err)
+	}
+	out := make(Results, len(got))
+	for i, r := range got {
+		out[i] = result(r)
+	}
+	return out
+}
+
+func result(r pipeline.LocalResult) Result {
+	res := Result{Group: r.Group, EventID: r.Claim.EventID}
+	switch {
+	case r.DeadLetter != nil:
+		res.Outcome, res.Reason = DeadLettered, r.DeadLetter.Reason
+	case r.Held != nil:
+		res.Outcome, res.Reason = Held, r.Held.Err.Error()
+	case r.NotRun:
+		res.Outcome = NotRun
+	case r.Err != nil:
+		// Not reached by the pipeline's own chain; a team's Observe
+		// middleware may return an error the router would retry.
+		res.Outcome, res.Reason = Held, r.Err.Error()
+	case r.Claim.Outcome == idempotency.Duplicate:
+		res.Outcome = Duplicate
+	default:
+		res.Outcome = Processed
+	}
+	return res
+}
+
+// RequireOnce checks the guarantee for msg on topic, in every group: a
+// delivery whose transaction rolls back after the handler ran leaves no
+// claim; the next delivery is processed (or dead-lettered, as a handler's
+// rejection is); a redelivery is a duplicate whose handler does not run.
+// Assert afterwards that the handler's effect happened once.
+func (h *Harness) RequireOnce(topic string, msg Message) {
+	h.t.Helper()
+	for _, r := range h.SendRolledBack(topic, msg) {
+		if r.Outcome != Held && r.Outcome != DeadLettered {
+			h.t.Fatalf("oncetest: group %s, a delivery rolled back after its handler: %s; want it held", r.Group, r.Outcome)
+		}
+		if r.Outcome == Held && r.EventID != uuid.Nil && h.Claimed(r.Group, r.EventID) {
+			h.t.Fatalf("oncetest: group %s: the rolled-back delivery left a claim of %s", r.Group, r.EventID)
+		}
+	}
+	for _, r := range h.Send(topic, msg) {
+		if r.Outcome != Processed && r.Outcome != DeadLettered {
+			h.t.Fatalf("oncetest: group %s, the delivery after the rollback: %s (%s); want processed or dead-lettered", r.Group, r.Outcome, r.Reason)
+		}
+	}
+	for _, r := range h.Send(topic, msg) {
+		if r.Outcome != Duplicate && r.Outcome != DeadLettered {
+			h.t.Fatalf("oncetest: group %s, the redelivery: %s (%s); want a duplicate", r.Group, r.Outcome, r.Reason)
+		}
+	}
+}
+
+// Claimed reports whether group's claim of the event id is committed.
+func (h *Harness) Claimed(group string, id uuid.UUID) bool {
+	h.t.Helper()
+	var n int
+	q := "SELECT count(*) FROM " + h.cfg.Tables.Claims().Qualified + " WHERE event_id = $1 AND consumer_group = $2"
+	if err := h.cfg.DB.QueryRow(context.Background(), q, id, group).Scan(&n); err != nil {
+		h.t.Fatalf("oncetest: read the claim: %v", err)
+	}
+	return n > 0
+}
+
+// PublishedMessages are the messages for topic that the handlers'
+// committed transactions wrote to the outbox, in order.
+func (h *Harness) PublishedMessages(topic string) []outbox.Message {
+	h.t.Helper()
+	msgs, err := h.outbox.Written(context.Background(), h.cfg.DB, topic)
 	if err != nil {
 		h.t.Fatalf("oncetest: %v", err)
 	}
-	defer tx.Rollback(ctx)
-	var n int
-	q := "SELECT count(*) FROM " + h.cfg.Tables.Claims().Qualified + " WHERE event_id = $1 AND consumer_group = $2"
-	if err := tx.QueryRow(ctx, q, ev.EventID(), h.cfg.Group).Scan(&n); err != nil {
-		h.t.Fatalf("oncetest: read claim: %v", err)
+	return msgs
+}
+
+// Published are the events for topic that the handlers' committed
+// transactions published, decoded by decode, in order.
+func Published[E any](t TB, h *Harness, topic string, decode func([]byte) (E, error)) []E {
+	t.Helper()
+	msgs := h.PublishedMessages(topic)
+	out := make([]E, 0, len(msgs))
+	for _, m := range msgs {
+		ev, err := decode(m.Payload)
+		if err != nil {
+			t.Fatalf("oncetest: an event published to %s does not decode: %v: %s", topic, err, m.Payload)
+		}
+		out = append(out, ev)
 	}
-	return n == 1
+	return out
 }

@@ -2,53 +2,238 @@ package oncetest_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/oncetest"
+	"github.com/once-dev/once/pipeline"
 )
 
-type event struct{ ID uuid.UUID }
+// issued is the tests' event; billed the follow-up its handler publishes.
+type issued struct {
+	ID       uuid.UUID `json:"event_id"`
+	Customer int64     `json:"customer_id"`
+	Cents    int64     `json:"amount_cents"`
+}
 
-func (e event) EventID() uuid.UUID { return e.ID }
+func (e issued) EventID() uuid.UUID { return e.ID }
 
-const createEffects = `CREATE TABLE IF NOT EXISTS oncetest_effect (event_id uuid NOT NULL)`
+type billed struct {
+	ID     uuid.UUID `json:"event_id"`
+	Issued uuid.UUID `json:"issued_id"`
+}
 
-// DeliverTwice makes the mistake it exists for visible: a handler that
-// writes through the pool instead of the claim's transaction leaves two
-// effects (the rolled-back attempt's and the committed one's), a handler that
-// writes through tx leaves one.
-func TestDeliverTwiceShowsAWriteOutsideTheTransaction(t *testing.T) {
-	pool := testenv.Postgres(t)
+func (e billed) EventID() uuid.UUID { return e.ID }
+
+func decodeIssued(b []byte) (issued, error) {
+	var e issued
+	if err := json.Unmarshal(b, &e); err != nil {
+		return e, err
+	}
+	if e.ID.Version() != 7 {
+		return e, errors.New("event_id: want a UUIDv7")
+	}
+	return e, nil
+}
+
+func decodeBilled(b []byte) (billed, error) {
+	var e billed
+	return e, json.Unmarshal(b, &e)
+}
+
+const topic = "invoice.issued.v1"
+
+// service is a team's topic: a per-event group that records the invoice and
+// publishes a follow-up, a batched group that sums amounts, and a team
+// middleware on each.
+type service struct {
+	db                *oncetest.DB
+	observed, inTx    atomic.Int64
+	mu                sync.Mutex
+	largestBatch      int
+	failNext          atomic.Bool
+	writesOutsideTxOf func(context.Context, issued) error
+}
+
+func newService(t *testing.T) (*service, *oncetest.Harness) {
+	testenv.Postgres(t) // the services, or the skip that names them
+	s := &service{db: oncetest.NewDB(t)}
 	ctx := context.Background()
-	if _, err := pool.Exec(ctx, createEffects); err != nil {
+	if _, err := s.db.Pool.Exec(ctx, `CREATE TABLE invoice (event_id uuid PRIMARY KEY, customer_id bigint NOT NULL);
+		CREATE TABLE outside (event_id uuid NOT NULL);
+		CREATE TABLE totals (customer_id bigint PRIMARY KEY, cents bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	effects := func(id uuid.UUID) int {
-		var n int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM oncetest_effect WHERE event_id = $1`, id).Scan(&n); err != nil {
-			t.Fatal(err)
+	observe := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) { s.observed.Add(1); return h(msg) }
+	}
+	countInTx := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) { s.inTx.Add(1); return h(msg) }
+	}
+	record := func(ctx context.Context, tx pgx.Tx, ev issued) error {
+		if s.failNext.CompareAndSwap(true, false) {
+			return errors.New("the ledger service answered 503")
 		}
-		return n
+		if ev.Cents < 0 {
+			return idempotency.Permanent(errors.New("a negative invoice"))
+		}
+		if s.writesOutsideTxOf != nil {
+			if err := s.writesOutsideTxOf(ctx, ev); err != nil {
+				return err
+			}
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO invoice VALUES ($1, $2)`, ev.ID, ev.Customer); err != nil {
+			return err
+		}
+		id, err := pipeline.DerivedID(ctx, "customer.billed.v1", time.Unix(ev.ID.Time().UnixTime()))
+		if err != nil {
+			return err
+		}
+		return pipeline.Publish(ctx, tx, billed{ID: id, Issued: ev.ID})
 	}
-	good := oncetest.New(t, oncetest.Config[event]{DB: pool, Handle: func(ctx context.Context, tx pgx.Tx, e event) error {
-		_, err := tx.Exec(ctx, `INSERT INTO oncetest_effect VALUES ($1)`, e.ID)
+	sum := func(ctx context.Context, tx pgx.Tx, evs []issued) error {
+		s.mu.Lock()
+		s.largestBatch = max(s.largestBatch, len(evs))
+		s.mu.Unlock()
+		for _, ev := range evs {
+			if _, err := tx.Exec(ctx, `INSERT INTO totals VALUES ($1, $2)
+				ON CONFLICT (customer_id) DO UPDATE SET cents = totals.cents + excluded.cents`, ev.Customer, ev.Cents); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	h := oncetest.New(t, oncetest.Config{DB: s.db.Pool, Tables: s.db.Tables,
+		Outgoing: []pipeline.OutgoingBinding{pipeline.Outgoing[billed]{Name: "customer.billed.v1", Key: func(b billed) string { return b.Issued.String() }}},
+		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{
+			{Name: "invoices", Handle: record, Extra: pipeline.Extra{Observe: []message.HandlerMiddleware{observe}}},
+			{Name: "totals", HandleBatch: sum, Batch: pipeline.Batch{Size: 50, MaxWait: 20 * time.Millisecond},
+				Extra: pipeline.Extra{InTx: []message.HandlerMiddleware{countInTx}}},
+		}}}})
+	return s, h
+}
+
+func (s *service) count(t *testing.T, q string, args ...any) int64 {
+	t.Helper()
+	var n int64
+	if err := s.db.Pool.QueryRow(context.Background(), q, args...).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func newIssued(customer, cents int64) issued {
+	return issued{ID: uuid.Must(uuid.NewV7()), Customer: customer, Cents: cents}
+}
+
+// RequireOnce: a rolled-back delivery, a processed one, a duplicate, in
+// both groups; the effect and the follow-up once, each in the test's own
+// schema.
+func TestRequireOnceRunsEveryGroupOnce(t *testing.T) {
+	s, h := newService(t)
+	ev := newIssued(7, 1250)
+	h.RequireOnce(topic, oncetest.JSON("k", ev))
+	if n := s.count(t, `SELECT count(*) FROM invoice WHERE event_id = $1`, ev.ID); n != 1 {
+		t.Fatalf("%d invoices, want 1", n)
+	}
+	if n := s.count(t, `SELECT cents FROM totals WHERE customer_id = 7`); n != 1250 {
+		t.Fatalf("total %d, want 1250 once", n)
+	}
+	got := oncetest.Published(t, h, "customer.billed.v1", decodeBilled)
+	if len(got) != 1 || got[0].Issued != ev.ID {
+		t.Fatalf("published %+v; want one billed event for %s", got, ev.ID)
+	}
+	if m := h.PublishedMessages("customer.billed.v1"); m[0].Key != ev.ID.String() || m[0].ID != got[0].ID.String() {
+		t.Fatalf("the follow-up's key %q and id %q; want the Outgoing's key and the derived id", m[0].Key, m[0].ID)
+	}
+	// Three deliveries: Observe ran on each; InTx once per batch, the
+	// rolled-back one's batch and its run alone included.
+	if s.observed.Load() != 3 || s.inTx.Load() < 2 {
+		t.Fatalf("Observe ran %d times, InTx %d; want 3, and at least 2", s.observed.Load(), s.inTx.Load())
+	}
+	if s.db.Schema == "public" || s.count(t, `SELECT count(*) FROM `+s.db.Tables.Claims().Qualified+` WHERE event_id = $1`, ev.ID) != 2 {
+		t.Fatalf("claims not in the test's schema %s", s.db.Schema)
+	}
+}
+
+// The mistake the package exists to show: a handler that writes through
+// the pool, outside the claim's transaction, leaves the rolled-back
+// delivery's write behind.
+func TestAWriteOutsideTheTransactionShows(t *testing.T) {
+	s, h := newService(t)
+	s.writesOutsideTxOf = func(ctx context.Context, ev issued) error {
+		_, err := s.db.Pool.Exec(ctx, `INSERT INTO outside VALUES ($1)`, ev.ID)
 		return err
-	}})
-	bad := oncetest.New(t, oncetest.Config[event]{DB: pool, Handle: func(ctx context.Context, _ pgx.Tx, e event) error {
-		_, err := pool.Exec(ctx, `INSERT INTO oncetest_effect VALUES ($1)`, e.ID)
-		return err
-	}})
-	e1, e2 := event{uuid.Must(uuid.NewV7())}, event{uuid.Must(uuid.NewV7())}
-	good.DeliverTwice(e1)
-	bad.DeliverTwice(e2)
-	if effects(e1.ID) != 1 || effects(e2.ID) != 2 {
-		t.Fatalf("effects: through tx %d, through the pool %d; want 1 and 2", effects(e1.ID), effects(e2.ID))
 	}
-	if good.Runs() != 2 || bad.Runs() != 2 {
-		t.Fatalf("handler runs %d and %d; want 2 each (rolled back, committed; the duplicate skipped)", good.Runs(), bad.Runs())
+	ev := newIssued(8, 100)
+	h.RequireOnce(topic, oncetest.JSON("k", ev))
+	if in, out := s.count(t, `SELECT count(*) FROM invoice`), s.count(t, `SELECT count(*) FROM outside`); in != 1 || out != 2 {
+		t.Fatalf("through tx %d, through the pool %d; want 1 and 2", in, out)
 	}
+}
+
+// The topic's Decode runs on the bytes: a malformed message and an id that
+// is not a UUIDv7 are dead-lettered by both groups, with the decoder's
+// reason; a handler's permanent verdict by its group alone.
+func TestWireBytesGoThroughTheTopicsDecode(t *testing.T) {
+	s, h := newService(t)
+	rs := h.Send(topic,
+		oncetest.Message{Payload: []byte(`{"event_id":`)},
+		oncetest.Message{Payload: []byte(`{"event_id":"` + uuid.NewString() + `","customer_id":1,"amount_cents":5}`)},
+		oncetest.JSON("k", newIssued(9, -5)),
+	)
+	want := map[string][]oncetest.Outcome{
+		"invoices": {oncetest.DeadLettered, oncetest.DeadLettered, oncetest.DeadLettered},
+		"totals":   {oncetest.DeadLettered, oncetest.DeadLettered, oncetest.Processed},
+	}
+	for group, outcomes := range want {
+		if got := rs.Of(group).Outcomes(); !slices.Equal(got, outcomes) {
+			t.Fatalf("%s: %v; want %v (%+v)", group, got, outcomes, rs.Of(group))
+		}
+	}
+	if r := rs.Of("invoices"); !strings.Contains(r[1].Reason, "want a UUIDv7") || !strings.Contains(r[2].Reason, "a negative invoice") {
+		t.Fatalf("reasons %q, %q; want the decoder's and the handler's", r[1].Reason, r[2].Reason)
+	}
+	if n := s.count(t, `SELECT count(*) FROM `+s.db.Tables.DeadLettersTable().Qualified); n != 5 {
+		t.Fatalf("%d dead letters parked, want 5", n)
+	}
+}
+
+// A batched group gets a Send's messages at once: they share batches.
+func TestABatchedGroupGetsItsBatch(t *testing.T) {
+	s, h := newService(t)
+	var evs []any
+	for range 20 {
+		evs = append(evs, newIssued(10, 1))
+	}
+	h.SendJSON(topic, evs...).Require(t, oncetest.Processed)
+	if s.largestBatch < 2 || s.count(t, `SELECT cents FROM totals WHERE customer_id = 10`) != 20 {
+		t.Fatalf("largest batch %d, total %d; want batches of more than one, and 20", s.largestBatch, s.count(t, `SELECT cents FROM totals WHERE customer_id = 10`))
+	}
+	h.SendJSON(topic, evs...).Require(t, oncetest.Duplicate)
+}
+
+// A failure that is not the message's own holds it, and the messages of
+// its partition behind it wait; sent again, they pass.
+func TestAHeldMessageHoldsThoseBehindIt(t *testing.T) {
+	s, h := newService(t)
+	first, second := newIssued(11, 1), newIssued(11, 2)
+	s.failNext.Store(true)
+	rs := h.SendJSON(topic, first, second).Of("invoices")
+	if got := rs.Outcomes(); !slices.Equal(got, []oncetest.Outcome{oncetest.Held, oncetest.NotRun}) || !strings.Contains(rs[0].Reason, "503") {
+		t.Fatalf("%+v; want the first held with its error, the second not run", rs)
+	}
+	h.SendJSON(topic, first, second).Of("invoices").Require(t, oncetest.Processed)
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"maps"
 	"strings"
 	"time"
 
@@ -145,6 +146,42 @@ func (o *Outbox) Publish(ctx context.Context, tx pgx.Tx, msgs ...Message) error 
 	return nil
 }
 
+// envelope is how Watermill's forwarder stores a message in the outbox
+// table: the destination topic around the message.
+type envelope struct {
+	DestinationTopic string            `json:"destination_topic"`
+	UUID             string            `json:"uuid"`
+	Payload          []byte            `json:"payload"`
+	Metadata         map[string]string `json:"metadata"`
+}
+
+// Written are the messages for topic committed to the outbox of db and
+// not yet pruned, forwarded or not, in the order they were written: what
+// a test asserts after its handler published.
+func (o *Outbox) Written(ctx context.Context, db pgdb.DB, topic string) ([]Message, error) {
+	q := `SELECT payload::text FROM ` + o.tables.OutboxTable().Qualified + ` WHERE payload->>'destination_topic' = $1 ORDER BY "offset"`
+	rows, err := db.Query(ctx, q, topic)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: read %s: %w", o.tables.OutboxTable().Qualified, err)
+	}
+	raw, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("outbox: read %s: %w", o.tables.OutboxTable().Qualified, err)
+	}
+	out := make([]Message, 0, len(raw))
+	for _, r := range raw {
+		var e envelope
+		if err := json.Unmarshal([]byte(r), &e); err != nil {
+			return nil, fmt.Errorf("outbox: a row that is not a forwarder's envelope: %w", err)
+		}
+		headers := maps.Clone(e.Metadata)
+		key := headers[MetaKey]
+		delete(headers, MetaKey)
+		out = append(out, Message{Topic: e.DestinationTopic, Key: key, ID: e.UUID, Payload: e.Payload, Headers: headers})
+	}
+	return out, nil
+}
+
 // Init creates the outbox's tables if they are missing, for databases that
 // do not run package schema's migrations (a producer's own outbox).
 func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
@@ -274,8 +311,9 @@ func (k KafkaPublisher) Close() error { return nil }
 // UUIDv7 whose 48-bit millisecond timestamp is at, and whose other bits come
 // from SHA-256 of the cause's id and the derived event's type. Give it a
 // time that every attempt reads the same, from a durable record of what
-// happened (the provider's time of a charge, replayed with its answer; a
-// row committed earlier): then a handler that publishes in an attempt that
+// happened on a clock of your own (a row committed earlier, such as the
+// time of a charge's intent; never a third party's clock, which may run
+// ahead): then a handler that publishes in an attempt that
 // rolled back and again in the one that committed, or on a replay of its
 // input, publishes one id that downstream consumers dedup, and the id's age,
 // which their dedup horizon judges, is the age of what it reports, however

@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/service/order"
 )
 
 // Review finding: a message held for longer than AttemptTimeout holds its
@@ -28,7 +27,7 @@ func testHeldLongerThanAnAttempt(t *testing.T, m handlerMode) {
 	var passed []uuid.UUID
 	var failUntil time.Time
 	var failures int
-	r := &recorder{group: uniqueGroup("billing"), fail: func(ev order.Confirmed) error {
+	r := &recorder{group: uniqueGroup("billing"), fail: func(ev confirmed) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if ev.EventID() == a.EventID() {
@@ -71,7 +70,7 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 	g := m.group(r)
 	// The handler writes its effect, then works until its attempt ends: a
 	// stop that committed the attempt would leave the effect behind.
-	work := func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+	work := func(ctx context.Context, tx pgx.Tx, ev confirmed) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group); err != nil {
 			return err
 		}
@@ -84,7 +83,7 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 		}
 	}
 	if m.batched {
-		g.HandleBatch = func(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error { return work(ctx, tx, evs[0]) }
+		g.HandleBatch = func(ctx context.Context, tx pgx.Tx, evs []confirmed) error { return work(ctx, tx, evs[0]) }
 	} else {
 		g.Handle = work
 	}

@@ -13,7 +13,6 @@ import (
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/order"
 )
 
 // BenchmarkCommitModes compares the two offset commit modes end to end, side
@@ -42,7 +41,7 @@ func BenchmarkCommitModes(b *testing.B) {
 			var first, last time.Time
 			processed := 0
 			all := make(chan struct{})
-			cfg := e.config(pipeline.Group[order.Confirmed]{Name: uniqueGroup("bench"), Handle: func(context.Context, pgx.Tx, order.Confirmed) error { return nil }})
+			cfg := e.config(pipeline.Group[confirmed]{Name: uniqueGroup("bench"), Handle: func(context.Context, pgx.Tx, confirmed) error { return nil }})
 			cfg.CommitMode = mode
 			cfg.Hooks.OnResult = func(r idempotency.Result) {
 				mu.Lock()

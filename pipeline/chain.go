@@ -136,7 +136,7 @@ func (p *Pipeline) stopped(msg *message.Message) bool {
 	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok && d.orig.Err() != nil {
 		return true
 	}
-	return p.router.IsClosed()
+	return p.router != nil && p.router.IsClosed()
 }
 
 // releaseRevoked acknowledges a message given up because its partition was
@@ -223,8 +223,13 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				}
 			}
 			p.letters.Nudge()
+			if rejected == nil {
+				// A rejection was logged where it was recorded.
+				p.cfg.Logger.Warn("dead-lettered: the message itself is at fault", "topic", t.name, "consumer_group", g.name, "dlq", t.dlq,
+					"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "reason", err)
+			}
 			if p.cfg.Hooks.OnDeadLetter != nil {
-				p.cfg.Hooks.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error()})
+				p.cfg.Hooks.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error(), Err: err})
 			}
 			return nil, nil
 		}

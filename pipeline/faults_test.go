@@ -18,10 +18,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/order"
 )
 
 // logCounter counts log lines that contain a text, on top of a quiet logger.
@@ -60,8 +60,8 @@ func TestAPanicInABatchHandlerHoldsItsEventAndNothingElse(t *testing.T) {
 	var panics atomic.Int64
 	var healed atomic.Bool
 	r := &recorder{group: uniqueGroup("batch-panic")}
-	g := pipeline.Group[order.Confirmed]{Name: r.group, Batch: pipeline.Batch{Size: 20, MaxWait: 20 * time.Millisecond},
-		HandleBatch: func(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error {
+	g := pipeline.Group[confirmed]{Name: r.group, Batch: pipeline.Batch{Size: 20, MaxWait: 20 * time.Millisecond},
+		HandleBatch: func(ctx context.Context, tx pgx.Tx, evs []confirmed) error {
 			for _, ev := range evs {
 				if ev.EventID() == bad.EventID() && !healed.Load() {
 					panics.Add(1)
@@ -111,7 +111,7 @@ func TestAPartitionWhoseLogWasTruncatedUnderItGoesOn(t *testing.T) {
 	logger, outOfRange := countingLogger("outside the range of offsets")
 	gate := make(chan struct{})
 	var first sync.Once
-	r := &recorder{group: uniqueGroup("truncated"), fail: func(order.Confirmed) error {
+	r := &recorder{group: uniqueGroup("truncated"), fail: func(confirmed) error {
 		first.Do(func() { <-gate }) // the consumer's fetches stop while its buffer is full
 		return nil
 	}}
@@ -170,8 +170,8 @@ func TestAGroupOnTwoTopicsIsOneMember(t *testing.T) {
 	second := testenv.Topic(t, e.brokers, 2)
 	r := &recorder{group: uniqueGroup("two-topics")}
 	cfg := e.config(group(r))
-	cfg.Topics = append(cfg.Topics, pipeline.Topic[order.Confirmed]{Name: second, DLQ: e.dlq, Decode: order.DecodeConfirmed,
-		Groups: []pipeline.Group[order.Confirmed]{group(r)}})
+	cfg.Topics = append(cfg.Topics, pipeline.Topic[confirmed]{Name: second, DLQ: e.dlq, Decode: decodeConfirmed,
+		Groups: []pipeline.Group[confirmed]{group(r)}})
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -207,7 +207,7 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	e := newEnv(t, 1)
 	r := &recorder{group: uniqueGroup("reset")}
 	reused := validEvent(t, "3.00")
-	other, err := order.NewConfirmed(reused.EventID(), reused.OccurredAt(), reused.OrderID(), reused.CustomerID(), decimal.RequireFromString("4.00"))
+	other, err := newConfirmed(reused.EventID(), reused.OccurredAt(), reused.OrderID(), reused.CustomerID(), decimal.RequireFromString("4.00"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,11 +229,11 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	if err := admin.DeleteConsumerGroupOffset(r.group, e.topic, 0); err != nil {
 		t.Fatal(err)
 	}
-	var seen outcomes
-	cfg.Hooks.OnResult = seen.record
+	var seen pipelinetest.Outcomes
+	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 	testenv.Eventually(t, 30*time.Second, "the partition read again from its start", func() bool {
-		return seen.get(r.group, idempotency.Duplicate) == 2 && seen.get(r.group, idempotency.PayloadMismatch) == 1
+		return seen.Get(r.group, idempotency.Duplicate) == 2 && seen.Get(r.group, idempotency.PayloadMismatch) == 1
 	})
 	time.Sleep(time.Second) // a second letter would be on its way
 	if n := testenv.MessageCount(t, e.brokers, e.dlq); n != 2 || deadLetters.Load() != 2 {
@@ -287,10 +287,10 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 	if m.batched {
 		g = pipeline.Group[shipment]{Name: group, HandleBatch: handle, Batch: pipeline.Batch{Size: 10}}
 	}
-	var seen outcomes
+	var seen pipelinetest.Outcomes
 	cfg := e.config()
 	cfg.Topics = []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{g}}}
-	cfg.Hooks.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 	id := uuid.Must(uuid.NewV7())
 	for _, form := range []string{
@@ -302,11 +302,11 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 		testenv.Publish(t, e.prod, e.topic, "k", []byte(fmt.Sprintf(form, id)))
 	}
 	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
-		return seen.get(group, idempotency.Processed)+seen.get(group, idempotency.Duplicate)+seen.get(group, idempotency.PayloadMismatch) == 4
+		return seen.Get(group, idempotency.Processed)+seen.Get(group, idempotency.Duplicate)+seen.Get(group, idempotency.PayloadMismatch) == 4
 	})
-	if seen.get(group, idempotency.Processed) != 1 || seen.get(group, idempotency.Duplicate) != 2 || seen.get(group, idempotency.PayloadMismatch) != 1 || runs.Load() != 1 {
-		t.Fatalf("processed %d, duplicates %d, mismatches %d, runs %d; want 1, 2, 1, 1", seen.get(group, idempotency.Processed),
-			seen.get(group, idempotency.Duplicate), seen.get(group, idempotency.PayloadMismatch), runs.Load())
+	if seen.Get(group, idempotency.Processed) != 1 || seen.Get(group, idempotency.Duplicate) != 2 || seen.Get(group, idempotency.PayloadMismatch) != 1 || runs.Load() != 1 {
+		t.Fatalf("processed %d, duplicates %d, mismatches %d, runs %d; want 1, 2, 1, 1", seen.Get(group, idempotency.Processed),
+			seen.Get(group, idempotency.Duplicate), seen.Get(group, idempotency.PayloadMismatch), runs.Load())
 	}
 }
 
@@ -341,9 +341,9 @@ func TestAReusedIDIsAMismatchWhateverTheEventType(t *testing.T) {
 	e := newEnv(t, 1)
 	group := uniqueGroup("opaque")
 	var runs atomic.Int64
-	var seen outcomes
+	var seen pipelinetest.Outcomes
 	cfg := e.config()
-	cfg.Hooks.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.Record
 	cfg.Topics = []pipeline.Binding{pipeline.Topic[opaque]{Name: e.topic, DLQ: e.dlq, Decode: decodeOpaque, Groups: []pipeline.Group[opaque]{
 		{Name: group, Handle: func(context.Context, pgx.Tx, opaque) error { runs.Add(1); return nil }}}}}
 	legacy := uuid.Must(uuid.NewV7())
@@ -360,11 +360,11 @@ func TestAReusedIDIsAMismatchWhateverTheEventType(t *testing.T) {
 	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"99.00"}`))
 	testenv.Publish(t, e.prod, e.topic, "k", legacyBytes)
 	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
-		return seen.get(group, idempotency.Processed)+seen.get(group, idempotency.Duplicate)+seen.get(group, idempotency.PayloadMismatch) == 4
+		return seen.Get(group, idempotency.Processed)+seen.Get(group, idempotency.Duplicate)+seen.Get(group, idempotency.PayloadMismatch) == 4
 	})
-	if seen.get(group, idempotency.Processed) != 1 || seen.get(group, idempotency.Duplicate) != 2 || seen.get(group, idempotency.PayloadMismatch) != 1 {
+	if seen.Get(group, idempotency.Processed) != 1 || seen.Get(group, idempotency.Duplicate) != 2 || seen.Get(group, idempotency.PayloadMismatch) != 1 {
 		t.Fatalf("processed %d, duplicates %d, mismatches %d; want 1, 2 (the other member order, the legacy claim's bytes), 1",
-			seen.get(group, idempotency.Processed), seen.get(group, idempotency.Duplicate), seen.get(group, idempotency.PayloadMismatch))
+			seen.Get(group, idempotency.Processed), seen.Get(group, idempotency.Duplicate), seen.Get(group, idempotency.PayloadMismatch))
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -221,6 +222,8 @@ type DeadLetter struct {
 	Delivery
 	DLQ    string
 	Reason string
+	// Err is the permanent error the reason is the text of.
+	Err error
 }
 
 func (c *Config) setDefaults() {
@@ -344,8 +347,10 @@ type Pipeline struct {
 	closed    bool
 	producer  sarama.SyncProducer // dead letters and outbox events
 	kafkaPub  outbox.KafkaPublisher
-	batchers  []*batcher             // the group commits of batched groups
-	subs      map[string]*subscriber // by group name
+	batchers  []*batcher                // the group commits of batched groups
+	local     bool                      // no Kafka: see Local
+	rollBack  func(msgUUID string) bool // Local.DeliverRolledBack's messages
+	subs      map[string]*subscriber    // by group name
 	letters   *dlq.Store
 	outbox    *outbox.Outbox
 	publisher *publisher // the outbox and Config.Outgoing, for Publish
@@ -365,23 +370,12 @@ type Pipeline struct {
 // New builds the router's handlers. It connects to Kafka only to make its
 // producer; it consumes nothing until [Pipeline.Run].
 func New(cfg Config) (*Pipeline, error) {
-	cfg.setDefaults()
-	version, topics, err := cfg.resolve()
+	p, topics, err := newPipeline(cfg, false)
 	if err != nil {
 		return nil, err
 	}
+	cfg = p.cfg
 	wlog := newWatermillLogger(cfg.Logger)
-	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}), subs: map[string]*subscriber{},
-		tracer: otel.GetTracerProvider().Tracer("github.com/once-dev/once/pipeline")}
-	if p.letters, err = dlq.NewStore(cfg.Tables); err != nil {
-		return nil, err
-	}
-	if p.outbox, err = outbox.New(cfg.Tables, cfg.Logger); err != nil {
-		return nil, err
-	}
-	if p.publisher, err = newPublisher(p.outbox, cfg.Outgoing); err != nil {
-		return nil, err
-	}
 	if p.router == nil {
 		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.CloseTimeout}, wlog)
 		if err != nil {
@@ -394,7 +388,7 @@ func New(cfg Config) (*Pipeline, error) {
 			return nil, fmt.Errorf("pipeline: SetupRouter: %w", err)
 		}
 	}
-	pc := PublisherSaramaConfig(version)
+	pc := PublisherSaramaConfig(p.version)
 	cfg.Security.Apply(pc)
 	// The producer's client is made here, not by NewSyncProducer, which
 	// leaves its client open when the producer fails (a broker still
@@ -420,34 +414,69 @@ func New(cfg Config) (*Pipeline, error) {
 
 	// Every group is built before any handler is registered: a router that
 	// holds a handler that never runs could not close.
-	type built struct {
-		t   topicBinding
-		g   groupBinding
-		sub message.Subscriber
-		h   message.NoPublishHandlerFunc
+	all, err := p.buildGroups(topics)
+	if err != nil {
+		p.Close()
+		return nil, err
 	}
-	var all []built
+	for _, b := range all {
+		p.router.AddConsumerHandler(b.t.name+"/"+b.g.name, b.t.name, b.sub, b.h)
+	}
+	return p, nil
+}
+
+// newPipeline checks cfg and makes what every pipeline has, local or not:
+// the dead-letter store, the outbox and the publisher.
+func newPipeline(cfg Config, local bool) (*Pipeline, []topicBinding, error) {
+	cfg.setDefaults()
+	version, topics, err := cfg.resolve()
+	if err != nil {
+		return nil, nil, err
+	}
+	p := &Pipeline{cfg: cfg, version: version, router: cfg.Router, stopping: make(chan struct{}), subs: map[string]*subscriber{},
+		local: local, tracer: otel.GetTracerProvider().Tracer("github.com/once-dev/once/pipeline")}
+	if p.letters, err = dlq.NewStore(cfg.Tables); err != nil {
+		return nil, nil, err
+	}
+	if p.outbox, err = outbox.New(cfg.Tables, cfg.Logger); err != nil {
+		return nil, nil, err
+	}
+	if p.publisher, err = newPublisher(p.outbox, cfg.Outgoing); err != nil {
+		return nil, nil, err
+	}
+	return p, topics, nil
+}
+
+// builtGroup is a group's handler chain, and (but for a local pipeline)
+// its subscriber.
+type builtGroup struct {
+	t     topicBinding
+	g     groupBinding
+	sub   message.Subscriber
+	h     message.NoPublishHandlerFunc
+	batch *batcher
+}
+
+func (p *Pipeline) buildGroups(topics []topicBinding) ([]builtGroup, error) {
+	wlog := newWatermillLogger(p.cfg.Logger)
+	var all []builtGroup
 	seen := map[DB]bool{}
 	p.topics = topics
 	for _, t := range topics {
 		p.dlqTopics = append(p.dlqTopics, t.dlq)
 		for _, g := range t.groups {
-			sub, h, err := p.buildGroup(t, g, wlog)
+			b, err := p.buildGroup(t, g, wlog)
 			if err != nil {
-				p.Close()
 				return nil, err
 			}
-			all = append(all, built{t, g, sub, h})
+			all = append(all, b)
 			if !seen[g.db] {
 				seen[g.db] = true
 				p.dbs = append(p.dbs, g.db)
 			}
 		}
 	}
-	for _, b := range all {
-		p.router.AddConsumerHandler(b.t.name+"/"+b.g.name, b.t.name, b.sub, b.h)
-	}
-	return p, nil
+	return all, nil
 }
 
 // Run runs the router (its own, or the team's from [Config.Router]) and the
@@ -556,7 +585,7 @@ func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
 // whole safety chain. The chain is composed here rather than added as router
 // middleware: a team's router-level middleware, added before or after New,
 // then always runs outside it and never inside the claim's transaction.
-func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (message.Subscriber, message.NoPublishHandlerFunc, error) {
+func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (builtGroup, error) {
 	cfg := p.cfg
 	window := 1 // one message of a partition at a time keeps its events in order
 	if g.handleBatch != nil {
@@ -565,7 +594,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	// One subscriber, and so one member of the Kafka group, per group name,
 	// whatever number of topics it reads.
 	sub := p.subs[g.name]
-	if sub == nil {
+	if sub == nil && !p.local {
 		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
 		sub.closeTimeout = cfg.CloseTimeout
 		p.subs[g.name] = sub
@@ -594,23 +623,35 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		},
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
+		return builtGroup{}, fmt.Errorf("pipeline: topic %s, group %s: %w", t.name, g.name, err)
 	}
 
 	var batch *batcher
 	var onSend func(*message.Message)
+	inTx := g.extra.InTx
+	if p.rollBack != nil {
+		inTx = append(slices.Clone(inTx), p.rollBackAfterHandler)
+	}
 	if g.handleBatch != nil {
-		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, g.extra.InTx, g.batch)
+		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, inTx, g.batch)
 		onSend = batch.announce
 		p.batchers = append(p.batchers, batch)
 	}
-	p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: sub.addTopic(t.name, window, onSend)})
+	if sub != nil {
+		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: sub.addTopic(t.name, window, onSend)})
+	}
 
 	var chain []message.HandlerMiddleware
 	if batch != nil {
 		chain = append(chain, batch.track)
 	}
-	chain = append(chain, p.delivered(t.name, g.name), releaseRevoked, refuseReturnedMessages(cfg.Logger, t.name, g.name))
+	chain = append(chain, p.delivered(t.name, g.name))
+	if !p.local {
+		// A local pipeline reports a message it gave up; Kafka would hand
+		// it to the partition's next owner.
+		chain = append(chain, releaseRevoked)
+	}
+	chain = append(chain, refuseReturnedMessages(cfg.Logger, t.name, g.name))
 	chain = append(chain, g.extra.Observe...)
 	chain = append(chain,
 		middleware.CorrelationID,
@@ -624,16 +665,20 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		chain = append(chain, batch.claim)
 	}
 	chain = append(chain, idem.Middleware, refuseMessagesInTx)
-	chain = append(chain, g.extra.InTx...)
+	chain = append(chain, inTx...)
 
 	h := handleWith(g.handle)
 	for i := len(chain) - 1; i >= 0; i-- {
 		h = chain[i](h)
 	}
-	return sub, func(msg *message.Message) error {
+	built := builtGroup{t: t, g: g, batch: batch, h: func(msg *message.Message) error {
 		_, err := h(msg)
 		return err
-	}, nil
+	}}
+	if sub != nil {
+		built.sub = sub
+	}
+	return built, nil
 }
 
 func delivery(topic, group string, msg *message.Message) Delivery {

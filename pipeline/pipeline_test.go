@@ -21,10 +21,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/order"
 )
 
 const createEffects = `CREATE TABLE IF NOT EXISTS pipeline_test_effect (
@@ -35,46 +35,22 @@ const createEffects = `CREATE TABLE IF NOT EXISTS pipeline_test_effect (
 type recorder struct {
 	group string
 	runs  atomic.Int64
-	fail  func(order.Confirmed) error
+	fail  func(confirmed) error
 }
 
-func (r *recorder) Handle(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+func (r *recorder) Handle(ctx context.Context, tx pgx.Tx, ev confirmed) error {
 	return r.handle(ctx, tx, ev)
 }
 
 func (r *recorder) handle(ctx context.Context, tx pgx.Tx, ev pipeline.Event) error {
 	r.runs.Add(1)
 	if r.fail != nil {
-		if err := r.fail(ev.(order.Confirmed)); err != nil {
+		if err := r.fail(ev.(confirmed)); err != nil {
 			return err
 		}
 	}
 	_, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group)
 	return err
-}
-
-// outcomes counts idempotency results per group and outcome.
-type outcomes struct {
-	mu sync.Mutex
-	n  map[string]map[idempotency.Outcome]int
-}
-
-func (o *outcomes) record(r idempotency.Result) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.n == nil {
-		o.n = map[string]map[idempotency.Outcome]int{}
-	}
-	if o.n[r.ConsumerGroup] == nil {
-		o.n[r.ConsumerGroup] = map[idempotency.Outcome]int{}
-	}
-	o.n[r.ConsumerGroup][r.Outcome]++
-}
-
-func (o *outcomes) get(group string, outcome idempotency.Outcome) int {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.n[group][outcome]
 }
 
 type env struct {
@@ -102,13 +78,13 @@ func newEnv(t *testing.T, partitions int32) *env {
 }
 
 // group is a consumer group of the order-confirmed test topic run by r.
-func group(r *recorder) pipeline.Group[order.Confirmed] {
-	return pipeline.Group[order.Confirmed]{Name: r.group, Handle: r.Handle}
+func group(r *recorder) pipeline.Group[confirmed] {
+	return pipeline.Group[confirmed]{Name: r.group, Handle: r.Handle}
 }
 
 // HandleBatch handles a batch as Handle handles one event, event by event,
 // in the batch's transaction: the first error fails the batch.
-func (r *recorder) HandleBatch(ctx context.Context, tx pgx.Tx, evs []order.Confirmed) error {
+func (r *recorder) HandleBatch(ctx context.Context, tx pgx.Tx, evs []confirmed) error {
 	for _, ev := range evs {
 		if err := r.handle(ctx, tx, ev); err != nil {
 			return err
@@ -135,18 +111,18 @@ func eachMode(t *testing.T, test func(t *testing.T, m handlerMode)) {
 
 // group is r's consumer group in this mode. A batched group has no Handle:
 // the events of a failed batch run one by one through HandleBatch.
-func (m handlerMode) group(r *recorder) pipeline.Group[order.Confirmed] {
+func (m handlerMode) group(r *recorder) pipeline.Group[confirmed] {
 	if !m.batched {
 		return group(r)
 	}
-	return pipeline.Group[order.Confirmed]{Name: r.group, HandleBatch: r.HandleBatch, Batch: pipeline.Batch{Size: 50}}
+	return pipeline.Group[confirmed]{Name: r.group, HandleBatch: r.HandleBatch, Batch: pipeline.Batch{Size: 50}}
 }
 
-func (e *env) topicOf(groups ...pipeline.Group[order.Confirmed]) pipeline.Topic[order.Confirmed] {
-	return pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed, Groups: groups}
+func (e *env) topicOf(groups ...pipeline.Group[confirmed]) pipeline.Topic[confirmed] {
+	return pipeline.Topic[confirmed]{Name: e.topic, DLQ: e.dlq, Decode: decodeConfirmed, Groups: groups}
 }
 
-func (e *env) config(groups ...pipeline.Group[order.Confirmed]) pipeline.Config {
+func (e *env) config(groups ...pipeline.Group[confirmed]) pipeline.Config {
 	return pipeline.Config{
 		Brokers: e.brokers,
 		Topics:  []pipeline.Binding{e.topicOf(groups...)},
@@ -159,48 +135,21 @@ func quietLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
-// run starts the pipeline and returns a function that stops it and waits.
-func run(t testing.TB, cfg pipeline.Config) (stop func()) {
-	t.Helper()
-	p, err := pipeline.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	select {
-	case <-p.Running():
-	case err := <-done:
-		t.Fatalf("pipeline stopped at start: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("pipeline did not start in 30s")
-	}
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("pipeline: %v", err)
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
-}
+// run starts the pipeline until the test ends; stop stops it sooner.
+var run = pipelinetest.Run
 
-func uniqueGroup(name string) string { return name + "-" + uuid.NewString()[:8] }
+var uniqueGroup = pipelinetest.UniqueGroup
 
-func validEvent(t testing.TB, amount string) order.Confirmed {
+func validEvent(t testing.TB, amount string) confirmed {
 	t.Helper()
-	ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62), 1+rand.Int64N(1000), decimal.RequireFromString(amount))
+	ev, err := newConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1+rand.Int64N(1<<62), 1+rand.Int64N(1000), decimal.RequireFromString(amount))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return ev
 }
 
-func payload(t testing.TB, ev order.Confirmed) []byte {
+func payload(t testing.TB, ev confirmed) []byte {
 	t.Helper()
 	b, err := ev.MarshalJSON()
 	if err != nil {
@@ -226,9 +175,9 @@ func testSameEventFiveTimes(t *testing.T, m handlerMode) {
 	e := newEnv(t, 3)
 	billing := &recorder{group: uniqueGroup("billing")}
 	analytics := &recorder{group: uniqueGroup("analytics")}
-	var seen outcomes
+	var seen pipelinetest.Outcomes
 	cfg := e.config(m.group(billing), m.group(analytics))
-	cfg.Hooks.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 
 	ev := validEvent(t, "12.34")
@@ -237,11 +186,11 @@ func testSameEventFiveTimes(t *testing.T, m handlerMode) {
 	}
 	for _, r := range []*recorder{billing, analytics} {
 		testenv.Eventually(t, 60*time.Second, r.group+" saw all 5 deliveries", func() bool {
-			return seen.get(r.group, idempotency.Processed)+seen.get(r.group, idempotency.Duplicate) == 5
+			return seen.Get(r.group, idempotency.Processed)+seen.Get(r.group, idempotency.Duplicate) == 5
 		})
-		if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 || seen.get(r.group, idempotency.Duplicate) != 4 {
+		if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 || seen.Get(r.group, idempotency.Duplicate) != 4 {
 			t.Fatalf("%s: %d runs, %d effects, %d duplicates; want 1, 1, 4",
-				r.group, r.runs.Load(), effects(t, e.pool, r.group), seen.get(r.group, idempotency.Duplicate))
+				r.group, r.runs.Load(), effects(t, e.pool, r.group), seen.Get(r.group, idempotency.Duplicate))
 		}
 	}
 }
@@ -298,11 +247,11 @@ func testCrashBetweenCommits(t *testing.T, m handlerMode, mode pipeline.CommitMo
 		t.Fatalf("offset %d was committed although the message was never acknowledged", off)
 	}
 
-	var seen outcomes
-	cfg.Hooks.OnResult = seen.record
+	var seen pipelinetest.Outcomes
+	cfg.Hooks.OnResult = seen.Record
 	stop = run(t, cfg)
 	testenv.Eventually(t, 60*time.Second, "redelivery skipped as duplicate", func() bool {
-		return seen.get(r.group, idempotency.Duplicate) == 1
+		return seen.Get(r.group, idempotency.Duplicate) == 1
 	})
 	stop() // a clean stop commits what was acknowledged in either mode
 	if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 {
@@ -326,7 +275,7 @@ func testPoisonAndHeld(t *testing.T, m handlerMode) {
 	var processedOrder []uuid.UUID
 	var mu sync.Mutex
 	var brokenAttempts atomic.Int64
-	r := &recorder{group: uniqueGroup("billing"), fail: func(ev order.Confirmed) error {
+	r := &recorder{group: uniqueGroup("billing"), fail: func(ev confirmed) error {
 		if ev.EventID() == broken.EventID() && brokenAttempts.Add(1) <= 3 {
 			return errors.New("provider answered 503")
 		}
@@ -351,7 +300,7 @@ func testPoisonAndHeld(t *testing.T, m handlerMode) {
 	for range 2 {
 		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
 	}
-	reused, err := order.NewConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"))
+	reused, err := newConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -451,13 +400,13 @@ func testNewGroupSeesEarlierEvents(t *testing.T, m handlerMode) {
 
 // Validate reports every bad setting at once, each named.
 func TestInvalidConfigReportsEveryProblem(t *testing.T) {
-	noop := func(context.Context, pgx.Tx, order.Confirmed) error { return nil }
+	noop := func(context.Context, pgx.Tx, confirmed) error { return nil }
 	_, err := pipeline.New(pipeline.Config{
 		KafkaVersion: "0.11.0",
 		CommitMode:   "sometimes",
 		Topics: []pipeline.Binding{
-			pipeline.Topic[order.Confirmed]{Name: "t", DLQ: "t", Groups: []pipeline.Group[order.Confirmed]{{Name: "g", Handle: noop}, {Name: "g", Handle: noop}}},
-			pipeline.Topic[order.Confirmed]{Name: "u", Decode: order.DecodeConfirmed},
+			pipeline.Topic[confirmed]{Name: "t", DLQ: "t", Groups: []pipeline.Group[confirmed]{{Name: "g", Handle: noop}, {Name: "g", Handle: noop}}},
+			pipeline.Topic[confirmed]{Name: "u", Decode: decodeConfirmed},
 		},
 	})
 	if err == nil {
@@ -510,3 +459,5 @@ func testOutage(t *testing.T, m handlerMode) {
 		t.Fatalf("handler ran %d times, want 24", n)
 	}
 }
+
+func TestMain(m *testing.M) { testenv.MainWithServices(m, "DATABASE_URL", "KAFKA_BROKERS") }

@@ -15,10 +15,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/order"
 )
 
 // startRouter runs a team's own router, with the pipeline's handlers, until
@@ -51,7 +51,7 @@ func TestRouterMiddlewareAddedAfterNewStaysOutsideTheClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	var fails atomic.Int64
-	r := &recorder{group: uniqueGroup("late-mw"), fail: func(order.Confirmed) error {
+	r := &recorder{group: uniqueGroup("late-mw"), fail: func(confirmed) error {
 		if fails.Add(1) == 1 {
 			return errors.New("a temporary failure")
 		}
@@ -100,7 +100,7 @@ func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 	e.dlq = e.topic + ".later-dlq" // not created yet, and the broker creates nothing by itself
 	declined := errors.New("card declined")
 	var rejectedID uuid.UUID
-	r := &recorder{group: uniqueGroup("rejects"), fail: func(ev order.Confirmed) error {
+	r := &recorder{group: uniqueGroup("rejects"), fail: func(ev confirmed) error {
 		if ev.EventID() == rejectedID {
 			return idempotency.RejectAfterCommit(declined)
 		}
@@ -108,7 +108,7 @@ func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 	}}
 	// The handler writes its effect only when it does not fail; a rejection
 	// needs a committed record, so record through a wrapper.
-	g := pipeline.Group[order.Confirmed]{Name: r.group, Handle: func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+	g := pipeline.Group[confirmed]{Name: r.group, Handle: func(ctx context.Context, tx pgx.Tx, ev confirmed) error {
 		if ev.EventID() == rejectedID {
 			if _, err := tx.Exec(ctx, `INSERT INTO pipeline_test_effect (event_id, consumer_group) VALUES ($1, $2)`, ev.EventID(), r.group); err != nil {
 				return err
@@ -160,7 +160,7 @@ func TestShutdownOfATeamsRouterDeadLettersNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	started := make(chan struct{}, 1)
-	g := pipeline.Group[order.Confirmed]{Name: uniqueGroup("team-router"), Handle: func(ctx context.Context, tx pgx.Tx, ev order.Confirmed) error {
+	g := pipeline.Group[confirmed]{Name: uniqueGroup("team-router"), Handle: func(ctx context.Context, tx pgx.Tx, ev confirmed) error {
 		select {
 		case started <- struct{}{}:
 		default:
@@ -207,16 +207,16 @@ func TestMessagesReturnedOutsideTheClaimDoNotStickThePartition(t *testing.T) {
 			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("{}"))}, nil
 		}
 	}}
-	var seen outcomes
+	var seen pipelinetest.Outcomes
 	cfg := e.config(g)
-	cfg.Hooks.OnResult = seen.record
+	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 	for range 2 {
 		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
 	}
 	testenv.Eventually(t, 30*time.Second, "both events processed", func() bool { return effects(t, e.pool, r.group) == 2 })
 	time.Sleep(time.Second)
-	if d := seen.get(r.group, idempotency.Duplicate); d != 0 {
+	if d := seen.Get(r.group, idempotency.Duplicate); d != 0 {
 		t.Fatalf("%d duplicates: the first message was redelivered", d)
 	}
 }
@@ -282,7 +282,7 @@ func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
 		e := newEnv(t, 1)
 		var slow atomic.Bool
 		slow.Store(true)
-		r := &recorder{group: uniqueGroup("observe-timeout"), fail: func(order.Confirmed) error {
+		r := &recorder{group: uniqueGroup("observe-timeout"), fail: func(confirmed) error {
 			if slow.CompareAndSwap(true, false) {
 				time.Sleep(300 * time.Millisecond) // past the team's 200ms timeout, once
 				return errors.New("too slow")
@@ -311,7 +311,7 @@ func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
 	missing := e.topic + ".missing"
 	r := &recorder{group: uniqueGroup("access")}
 	cfg := e.config()
-	cfg.Topics = []pipeline.Binding{pipeline.Topic[order.Confirmed]{Name: missing, DLQ: e.dlq, Decode: order.DecodeConfirmed, Groups: []pipeline.Group[order.Confirmed]{group(r)}}}
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[confirmed]{Name: missing, DLQ: e.dlq, Decode: decodeConfirmed, Groups: []pipeline.Group[confirmed]{group(r)}}}
 	cfg.CloseTimeout = 20 * time.Second
 	p, err := pipeline.New(cfg)
 	if err != nil {

@@ -16,11 +16,11 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/schema"
-	"github.com/once-dev/once/service/order"
 )
 
 // ping is a second team's event type, on a topic of its own.
@@ -121,17 +121,17 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 		t.Fatal(err)
 	}
 	router.AddMiddleware(routerLevel.middleware)
-	var seen outcomes
+	var seen pipelinetest.Outcomes
 	p, err := pipeline.New(pipeline.Config{
 		Brokers: e.brokers,
 		DB:      e.pool,
 		Router:  router,
 		Tables:  names,
 		Logger:  quietLogger(),
-		Hooks:   pipeline.Hooks{OnResult: seen.record},
+		Hooks:   pipeline.Hooks{OnResult: seen.Record},
 		Topics: []pipeline.Binding{
-			pipeline.Topic[order.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: order.DecodeConfirmed,
-				Groups: []pipeline.Group[order.Confirmed]{group(orders)},
+			pipeline.Topic[confirmed]{Name: e.topic, DLQ: e.dlq, Decode: decodeConfirmed,
+				Groups: []pipeline.Group[confirmed]{group(orders)},
 				Extra:  pipeline.Extra{BeforeClaim: []message.HandlerMiddleware{ordersBeforeClaim.middleware}}},
 			pipeline.Topic[ping]{Name: pingTopic, DLQ: pingDLQ, Decode: decodePing,
 				Groups: []pipeline.Group[ping]{{Name: pingGroup, Handle: handlePing, DB: other,
@@ -161,8 +161,8 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 60*time.Second, "every delivery of both topics handled", func() bool {
-		return seen.get(orders.group, idempotency.Processed)+seen.get(orders.group, idempotency.Duplicate) == 8 &&
-			seen.get(pingGroup, idempotency.Processed)+seen.get(pingGroup, idempotency.Duplicate) == 6
+		return seen.Get(orders.group, idempotency.Processed)+seen.Get(orders.group, idempotency.Duplicate) == 8 &&
+			seen.Get(pingGroup, idempotency.Processed)+seen.Get(pingGroup, idempotency.Duplicate) == 6
 	})
 	if orders.runs.Load() != 4 || pingRuns.Load() != 3 {
 		t.Fatalf("handlers ran %d and %d times; want 4 and 3", orders.runs.Load(), pingRuns.Load())

@@ -6,6 +6,8 @@
 // its own business tables stay in its own migrations.
 //
 // [Migrate] is idempotent and safe to call from every instance at start-up:
-// concurrent runs are serialised by an advisory lock, and the applied
-// versions are recorded in a table of the schema (once_schema_version).
+// concurrent runs take turns on goose's row lock (once_migration_lock; a
+// transaction-scoped advisory lock guards the schema's creation), never on a
+// session-level lock a pooler would strand, and the applied versions are
+// recorded in a table of the schema (once_schema_version).
 package schema

@@ -13,9 +13,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/schema"
-	"github.com/once-dev/once/service/migrations"
 )
 
 func runApp(t *testing.T, args ...string) (string, error) {
@@ -36,7 +37,7 @@ func TestInboxStatusAndForget(t *testing.T) {
 
 func testInboxStatusAndForget(t *testing.T, url string) {
 	ctx := context.Background()
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	if _, err := migrations.Up(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +74,7 @@ func testInboxStatusAndForget(t *testing.T, url string) {
 // forget deletes the group's claim in its own database.
 func TestInboxWithAGroupsOwnDatabase(t *testing.T) {
 	ctx := context.Background()
-	main := testenv.Postgres(t)
+	main := reftest.Postgres(t)
 	other := testenv.OtherPostgres(t, "once_inbox_other")
 	if _, err := schema.Migrate(ctx, other, schema.Config{}); err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/schema"
 )
 
 type benchRetentionCmd struct {
@@ -118,7 +119,7 @@ func (b *benchRetentionCmd) loadDay(ctx context.Context, pool *pgxpool.Pool, p *
 			id[8] = 0x80 | id[8]&0x3f
 			rows[i] = []any{id, "billing", []byte{0}}
 		}
-		if _, err := pool.CopyFrom(ctx, pgx.Identifier{"processed_event"}, []string{"event_id", "consumer_group", "payload_sha256"}, pgx.CopyFromRows(rows)); err != nil {
+		if _, err := pool.CopyFrom(ctx, pgx.Identifier{schema.DefaultClaimTable}, []string{"event_id", "consumer_group", "payload_sha256"}, pgx.CopyFromRows(rows)); err != nil {
 			return fmt.Errorf("load %s: %w", what, err)
 		}
 		p.Set("loading %s: %d/%d rows", what, start+n, b.Rows)

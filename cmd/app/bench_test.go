@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 )
 
@@ -32,7 +33,7 @@ func TestMain(m *testing.M) {
 // real customer's row (review finding: it deleted every customer above its
 // first id).
 func TestBenchMeasuresEachVariantAndLeavesNoRows(t *testing.T) {
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	brokers := testenv.Brokers(t)
 	t.Setenv("ONCE_TEST_BINARY_IS_APP", "1")
 	// Real customers: one in the bench's id range with a real day's
@@ -83,7 +84,7 @@ VALUES ($1, $2::date, 12.34, 1) ON CONFLICT (customer_id, day) DO UPDATE SET rev
 // bench asks it to (each measurement then starts from the same tables),
 // and touches nothing when run by hand.
 func TestABenchMeasurementClearsItsRowsOnlyWhenAsked(t *testing.T) {
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	byHand, asked := "bench-test-"+uuid.NewString()[:8], "bench-test-"+uuid.NewString()[:8]
 	t.Cleanup(func() {
 		_, _ = pool.Exec(context.Background(), `DELETE FROM processed_event WHERE consumer_group = $1`, byHand)

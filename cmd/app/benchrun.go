@@ -25,11 +25,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/handlers/analytics"
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/analytics"
-	"github.com/once-dev/once/service/order"
 )
 
 // benchRunCmd is one measurement of app bench, in a process of its own so
@@ -222,7 +222,7 @@ func (b *benchRunCmd) wait(ctx context.Context, c *clock) error {
 func benchEvents(n int) [][]byte {
 	out := make([][]byte, n)
 	for i := range out {
-		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, benchCustomers+int64(i), benchCustomers+rand.Int64N(benchCustomerCount),
+		ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, benchCustomers+int64(i), benchCustomers+rand.Int64N(benchCustomerCount),
 			decimal.New(100+rand.Int64N(100000), -2))
 		if err != nil {
 			panic(err) // the values above are always valid
@@ -233,7 +233,7 @@ func benchEvents(n int) [][]byte {
 }
 
 func analyticsUpsert(ctx context.Context, tx pgx.Tx, payload []byte) error {
-	ev, err := order.DecodeConfirmed(payload)
+	ev, err := orderevents.DecodeConfirmed(payload)
 	if err != nil {
 		return idempotency.Permanent(err)
 	}
@@ -333,10 +333,10 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 		start := time.Now()
 		c.started(start)
 		errs := m.ProcessBatch(ctx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
-			evs := make([]order.Confirmed, len(claimed))
+			evs := make([]orderevents.Confirmed, len(claimed))
 			for j, msg := range claimed {
 				var err error
-				if evs[j], err = order.DecodeConfirmed(msg.Payload); err != nil {
+				if evs[j], err = orderevents.DecodeConfirmed(msg.Payload); err != nil {
 					return err
 				}
 			}
@@ -398,9 +398,9 @@ func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.
 // per event, or batched. The latency is each message's, from the moment it
 // enters the group's chain to its commit (a batch's wait included).
 func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
-	g := pipeline.Group[order.Confirmed]{Name: b.Group, Handle: analytics.Handler{}.OnConfirmed}
+	g := pipeline.Group[orderevents.Confirmed]{Name: b.Group, Handle: analytics.Handler{}.OnConfirmed}
 	if b.Variant == "PB" {
-		g = pipeline.Group[order.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc}}
+		g = pipeline.Group[orderevents.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc}}
 	}
 	g.Extra.Observe = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -415,7 +415,7 @@ func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *cloc
 	}}
 	p, err := pipeline.New(pipeline.Config{
 		Brokers: b.Brokers, KafkaVersion: b.KafkaVersion, DB: pool, Logger: log,
-		Topics: []pipeline.Binding{pipeline.Topic[order.Confirmed]{Name: b.Topic, Decode: order.DecodeConfirmed, Groups: []pipeline.Group[order.Confirmed]{g}}},
+		Topics: []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: b.Topic, Decode: orderevents.DecodeConfirmed, Groups: []pipeline.Group[orderevents.Confirmed]{g}}},
 	})
 	if err != nil {
 		return err

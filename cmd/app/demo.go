@@ -6,8 +6,8 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/once-dev/once/service/demo"
-	"github.com/once-dev/once/service/migrations"
+	"github.com/once-dev/once/internal/demo"
+	"github.com/once-dev/once/migrations"
 )
 
 type demoCmd struct {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 )
 
@@ -47,7 +48,7 @@ func forwardTo(t *testing.T, addr, target string) {
 // naming the setting.
 func TestServeWaitsForKafkaAtStartUp(t *testing.T) {
 	brokers := testenv.Brokers(t)
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	serve := func(ctx context.Context, broker, ops, wait string, logs *testenv.Logs) <-chan error {
 		suffix := "." + uuid.NewString()[:8]
 		done := make(chan error, 1)

@@ -15,7 +15,7 @@ import (
 
 	"github.com/once-dev/once"
 	"github.com/once-dev/once/metrics"
-	"github.com/once-dev/once/service/payment"
+	"github.com/once-dev/once/payment"
 )
 
 type opsSettings struct {

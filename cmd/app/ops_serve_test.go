@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 )
 
@@ -29,7 +30,7 @@ func get(url string) (int, string) {
 // cleanly, endpoint included.
 func TestServeAnswersHealthReadinessAndMetrics(t *testing.T) {
 	brokers := testenv.Brokers(t)
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -15,9 +15,9 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 
+	"github.com/once-dev/once/orderevents"
+	"github.com/once-dev/once/orderservice"
 	"github.com/once-dev/once/outbox"
-	"github.com/once-dev/once/service/order"
-	"github.com/once-dev/once/service/orders"
 )
 
 type ordersCmd struct {
@@ -64,7 +64,7 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	if err := c.Kafka.ensureTopics(ctx); err != nil {
 		return fmt.Errorf("KAFKA_BROKERS: %w", err)
 	}
-	svc, err := orders.NewService(orders.Config{DB: pool, Topic: c.Kafka.confirmed(), CancelledTopic: c.Kafka.cancelled(), Logger: d.log})
+	svc, err := orderservice.NewService(orderservice.Config{DB: pool, Topic: c.Kafka.confirmed(), CancelledTopic: c.Kafka.cancelled(), Logger: d.log})
 	if err != nil {
 		return err
 	}
@@ -120,8 +120,8 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 			http.Error(w, "total_amount: "+err.Error(), http.StatusBadRequest)
 			return
 		}
-		ev, err := svc.Confirm(r.Context(), orders.ConfirmRequest{CustomerID: body.CustomerID, TotalAmount: amount})
-		if errors.Is(err, order.ErrInvalid) {
+		ev, err := svc.Confirm(r.Context(), orderservice.ConfirmRequest{CustomerID: body.CustomerID, TotalAmount: amount})
+		if errors.Is(err, orderevents.ErrInvalid) {
 			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
 			return
 		}
@@ -151,10 +151,10 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 		}
 		ev, err := svc.Cancel(r.Context(), id, body.Reason)
 		switch {
-		case errors.Is(err, orders.ErrNotFound):
+		case errors.Is(err, orderservice.ErrNotFound):
 			http.Error(w, err.Error(), http.StatusNotFound)
 			return
-		case errors.Is(err, orders.ErrAlreadyCancelled):
+		case errors.Is(err, orderservice.ErrAlreadyCancelled):
 			http.Error(w, err.Error(), http.StatusConflict)
 			return
 		case err != nil:

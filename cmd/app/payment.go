@@ -13,7 +13,7 @@ import (
 
 	"github.com/shopspring/decimal"
 
-	"github.com/once-dev/once/service/payment"
+	"github.com/once-dev/once/payment"
 )
 
 // paymentSettings configure billing's client of the payment provider.

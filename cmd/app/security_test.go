@@ -12,10 +12,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/migrations"
+	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/migrations"
-	"github.com/once-dev/once/service/order"
 )
 
 // secureBroker starts dev/kafka.sh's broker with SASL/SCRAM and ACLs and
@@ -62,7 +63,7 @@ func allow(principal string, rtype sarama.AclResourceType, name string, ops ...s
 // password, the payment API key) appears in any line either run logged.
 func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	addr, admin, producer := secureBroker(t)
-	pool := testenv.Postgres(t)
+	pool := reftest.Postgres(t)
 	if _, err := migrations.Up(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +167,7 @@ func TestSecuredBrokerACLsAndNoSecretInTheLogs(t *testing.T) {
 	// The service: consumes, and dead-letters the poison message.
 	const events = 20
 	for i := range events {
-		ev, err := order.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), int64(i+1), 900_000_000+int64(i), decimal.New(int64(100+i), -2))
+		ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), time.Now(), int64(i+1), 900_000_000+int64(i), decimal.New(int64(100+i), -2))
 		if err != nil {
 			t.Fatal(err)
 		}

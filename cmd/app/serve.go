@@ -16,9 +16,10 @@ import (
 	"github.com/once-dev/once/internal/reference"
 	"github.com/once-dev/once/internal/startup"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/orderevents"
+	"github.com/once-dev/once/payment"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/retention"
-	"github.com/once-dev/once/service/payment"
 )
 
 type serveCmd struct {
@@ -86,7 +87,7 @@ func (s *serveCmd) Validate() error {
 	if s.MaxClockSkew >= s.Retention.Retention {
 		return fmt.Errorf("--max-clock-skew (ONCE_MAX_CLOCK_SKEW) must be well below --dedup-retention")
 	}
-	if !currencyCode.MatchString(s.BillingCurrency) {
+	if !orderevents.IsCurrencyCode(s.BillingCurrency) {
 		return fmt.Errorf("--billing-currency (BILLING_CURRENCY) %q: want an ISO 4217 code such as EUR", s.BillingCurrency)
 	}
 	for g, url := range s.GroupDatabases {
@@ -135,8 +136,6 @@ func (s *serveCmd) warnAboutKeyRetention(d deps) {
 			"dedup_retention", s.Retention.Retention, "payment_key_retention", keys)
 	}
 }
-
-var currencyCode = regexp.MustCompile(`^[A-Z]{3}$`)
 
 func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	o, err := newOps(s.Ops)

@@ -15,9 +15,9 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
-	"github.com/once-dev/once/service/migrations"
 )
 
 // kafkaSettings are shared by every subcommand that talks to Kafka.

@@ -78,9 +78,9 @@ func TestCountOnceWithTheHarness(t *testing.T) {
 	if _, err := pool.Exec(ctx, createParcels); err != nil {
 		t.Fatal(err)
 	}
-	h := oncetest.New(t, oncetest.Config[shipments.Dispatched]{DB: pool, Handle: shipments.Count})
+	h := oncetest.NewHandler(t, oncetest.HandlerConfig[shipments.Dispatched]{DB: pool, Handle: shipments.Count})
 	ev := shipments.Dispatched{ID: uuid.Must(uuid.NewV7()), Shipment: 1 + rand.Int64N(1<<62), Parcels: 4}
-	h.DeliverTwice(ev)
+	h.RequireOnce(ev)
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT n FROM parcels WHERE shipment_id = $1`, ev.Shipment).Scan(&n); err != nil || n != 4 {
 		t.Fatalf("%d parcels (%v), want 4", n, err)

@@ -16,10 +16,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once"
+	"github.com/once-dev/once/handlers/analytics"
+	"github.com/once-dev/once/handlers/billing"
+	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pgdb"
-	"github.com/once-dev/once/service/analytics"
-	"github.com/once-dev/once/service/billing"
-	"github.com/once-dev/once/service/order"
 )
 
 // The consumer groups the reference service can run, by their base names.
@@ -78,18 +78,18 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 		}
 	}
 	oc := cfg.Service
-	confirmed := once.Topic[order.Confirmed]{Name: cfg.ConfirmedTopic, Decode: order.DecodeConfirmed}
-	cancelled := once.Topic[order.Cancelled]{Name: cfg.CancelledTopic, Decode: order.DecodeCancelled}
-	payments := once.Topic[order.Payment]{Name: cfg.PaymentTopic, Decode: order.DecodePayment}
+	confirmed := once.Topic[orderevents.Confirmed]{Name: cfg.ConfirmedTopic, Decode: orderevents.DecodeConfirmed}
+	cancelled := once.Topic[orderevents.Cancelled]{Name: cfg.CancelledTopic, Decode: orderevents.DecodeCancelled}
+	payments := once.Topic[orderevents.Payment]{Name: cfg.PaymentTopic, Decode: orderevents.DecodePayment}
 	s := &Service{}
 	if slices.Contains(cfg.Groups, Analytics) {
 		h := analytics.Handler{}
-		g := once.Group[order.Confirmed]{Name: cfg.Group(Analytics), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Analytics]}
+		g := once.Group[orderevents.Confirmed]{Name: cfg.Group(Analytics), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Analytics]}
 		if cfg.AnalyticsBatch > 0 {
 			g.Handle, g.HandleBatch, g.Batch = nil, h.OnConfirmedBatch, once.Batch{Size: cfg.AnalyticsBatch}
 		}
 		confirmed.Groups = append(confirmed.Groups, g)
-		payments.Groups = append(payments.Groups, once.Group[order.Payment]{Name: cfg.Group(Analytics), Handle: h.OnPayment, TooOld: cfg.TooOld[Analytics]})
+		payments.Groups = append(payments.Groups, once.Group[orderevents.Payment]{Name: cfg.Group(Analytics), Handle: h.OnPayment, TooOld: cfg.TooOld[Analytics]})
 	}
 	var billingDB *pgxpool.Pool
 	if slices.Contains(cfg.Groups, Billing) {
@@ -102,18 +102,18 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 		}
 		s.intents = intents
 		h := billing.Handler{Payments: cfg.Payments, Currency: cfg.Currency, DB: intents, Horizon: billingHorizon(oc, cfg.TooOld[Billing]),
-			Publish: func(ctx context.Context, tx pgx.Tx, ev order.Payment) error {
+			Publish: func(ctx context.Context, tx pgx.Tx, ev orderevents.Payment) error {
 				return once.PublishTo(ctx, tx, cfg.PaymentTopic, ev)
 			}}
 		if err := h.Validate(); err != nil {
 			intents.Close()
 			return nil, err
 		}
-		confirmed.Groups = append(confirmed.Groups, once.Group[order.Confirmed]{Name: cfg.Group(Billing), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Billing]})
-		cancelled.Groups = append(cancelled.Groups, once.Group[order.Cancelled]{Name: cfg.Group(Billing), Handle: h.OnCancelled, TooOld: cfg.TooOld[Billing]})
-		oc.Outgoing = append(oc.Outgoing, once.Outgoing[order.Payment]{Name: cfg.PaymentTopic,
-			Key:    func(p order.Payment) string { return strconv.FormatInt(p.OrderID(), 10) },
-			Encode: func(p order.Payment) ([]byte, error) { return p.MarshalJSON() }})
+		confirmed.Groups = append(confirmed.Groups, once.Group[orderevents.Confirmed]{Name: cfg.Group(Billing), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Billing]})
+		cancelled.Groups = append(cancelled.Groups, once.Group[orderevents.Cancelled]{Name: cfg.Group(Billing), Handle: h.OnCancelled, TooOld: cfg.TooOld[Billing]})
+		oc.Outgoing = append(oc.Outgoing, once.Outgoing[orderevents.Payment]{Name: cfg.PaymentTopic,
+			Key:    func(p orderevents.Payment) string { return strconv.FormatInt(p.OrderID(), 10) },
+			Encode: func(p orderevents.Payment) ([]byte, error) { return p.MarshalJSON() }})
 		retain := oc.Retention
 		if retain == 0 {
 			retain = once.DefaultRetention

@@ -6,6 +6,7 @@ package testenv
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"net"
 	"net/url"
@@ -23,7 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/once-dev/once/service/migrations"
+	"github.com/once-dev/once/schema"
 )
 
 func need(t testing.TB, name string) string {
@@ -67,7 +68,9 @@ func packageOf(t testing.TB) string {
 var migrateOnce sync.Once
 var migrateErr error
 
-// Postgres returns a new pool on the test database with every migration applied.
+// Postgres returns a new pool on the test database with the library's
+// tables migrated (package schema, in public). The reference service's
+// tables are reftest.Postgres's.
 func Postgres(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	url := need(t, "DATABASE_URL")
@@ -86,7 +89,7 @@ func Postgres(t testing.TB) *pgxpool.Pool {
 		t.Fatalf("connect to DATABASE_URL: %v", err)
 	}
 	t.Cleanup(pool.Close)
-	migrateOnce.Do(func() { _, migrateErr = migrations.Up(ctx, pool) })
+	migrateOnce.Do(func() { _, migrateErr = schema.Migrate(ctx, pool, schema.Config{}) })
 	if migrateErr != nil {
 		t.Fatalf("migrate: %v", migrateErr)
 	}
@@ -395,4 +398,27 @@ func WaitForKafka(t testing.TB, brokers []string, timeout time.Duration) {
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
+}
+
+// MainWithServices runs a package's tests and examples. Examples cannot
+// skip themselves: without the services (and without
+// ONCE_REQUIRE_SERVICES, which makes their absence a failure) they are left
+// out, and a line says so, as the tests skip.
+func MainWithServices(m *testing.M, services ...string) {
+	flag.Parse()
+	for _, name := range services {
+		if os.Getenv(name) != "" {
+			continue
+		}
+		if os.Getenv("ONCE_REQUIRE_SERVICES") != "" {
+			fmt.Fprintf(os.Stderr, "%s is not set, but ONCE_REQUIRE_SERVICES is: the services were not started\n", name)
+			os.Exit(1)
+		}
+		if run := flag.Lookup("test.run"); run != nil && run.Value.String() == "" {
+			_ = run.Value.Set("^(Test|Fuzz)")
+			fmt.Fprintf(os.Stderr, "%s is not set: this package's examples are not run (dev/test.sh starts the services)\n", name)
+		}
+		break
+	}
+	os.Exit(m.Run())
 }

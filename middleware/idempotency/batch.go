@@ -68,7 +68,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		errs[i], decided[i] = err, true
 		if m.cfg.OnResult != nil {
 			m.cfg.OnResult(Result{Outcome: o, EventID: key, ConsumerGroup: m.cfg.ConsumerGroup,
-				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), Duration: time.Since(start), Err: err,
+				Topic: message.SubscribeTopicFromCtx(msgs[i].Context()), MessageUUID: msgs[i].UUID, Duration: time.Since(start), Err: err,
 				Claim: claim, Handle: handle, Commit: commit})
 		}
 	}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"regexp"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -14,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/once-dev/once/internal/durable"
+	"github.com/once-dev/once/schema"
 )
 
 // claimSQL is the whole dedup decision (R-KFK-IDEM-2): one row inserted means
@@ -97,7 +97,7 @@ type Config struct {
 	Fingerprint func(msg *message.Message) ([32]byte, error)
 
 	// Schema and Table name the claim table, created by package schema.
-	// Defaults: "public" and "processed_event".
+	// Defaults: schema.DefaultSchema and schema.DefaultClaimTable.
 	Schema string
 	Table  string
 
@@ -191,10 +191,10 @@ func (c *Config) setDefaults() {
 		c.Fingerprint = PayloadSHA256
 	}
 	if c.Schema == "" {
-		c.Schema = "public"
+		c.Schema = schema.DefaultSchema
 	}
 	if c.Table == "" {
-		c.Table = "processed_event"
+		c.Table = schema.DefaultClaimTable
 	}
 	if c.IsoLevel == "" {
 		c.IsoLevel = pgx.ReadCommitted
@@ -260,15 +260,12 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("idempotency: Config.TooOld %q: want %q or %q", c.TooOld, RejectTooOld, ProcessTooOld))
 	}
 	for setting, name := range map[string]string{"Config.Schema": c.Schema, "Config.Table": c.Table} {
-		if name != "" && !identifier.MatchString(name) {
-			errs = append(errs, fmt.Errorf("idempotency: %s %q: want a lower-case SQL identifier", setting, name))
+		if name != "" {
+			errs = append(errs, schema.CheckIdentifier("idempotency: "+setting, name))
 		}
 	}
 	return errors.Join(errs...)
 }
-
-// identifier matches the names package schema creates tables under.
-var identifier = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
 
 // Outcome is what the middleware did with one message.
 type Outcome int
@@ -316,6 +313,7 @@ type Result struct {
 	EventID       uuid.UUID // uuid.Nil when the key could not be read
 	ConsumerGroup string
 	Topic         string // the topic the message was consumed from, if known
+	MessageUUID   string // the Watermill message's UUID (the pipeline's: topic/partition/offset)
 	Duration      time.Duration
 	Err           error // nil for Processed and Duplicate
 	// The phases of the last attempt's transaction (its batch's, for a
@@ -370,7 +368,7 @@ func milliseconds(d time.Duration) *string {
 func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		start := time.Now()
-		res := Result{ConsumerGroup: m.cfg.ConsumerGroup, Topic: message.SubscribeTopicFromCtx(msg.Context())}
+		res := Result{ConsumerGroup: m.cfg.ConsumerGroup, Topic: message.SubscribeTopicFromCtx(msg.Context()), MessageUUID: msg.UUID}
 		report := func(o Outcome, err error) {
 			res.Outcome, res.Err, res.Duration = o, err, time.Since(start)
 			if m.cfg.OnResult != nil {

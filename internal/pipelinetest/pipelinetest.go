@@ -1,0 +1,77 @@
+// Package pipelinetest runs a pipeline for the length of a test and counts
+// what its hooks report: what the library's tests and the reference
+// service's share.
+package pipelinetest
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pipeline"
+)
+
+// Run starts a pipeline of cfg and returns a function that stops it and
+// waits (the test's end stops it too). A pipeline that does not start
+// within 30s fails the test.
+func Run(t testing.TB, cfg pipeline.Config) (stop func()) {
+	t.Helper()
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	select {
+	case <-p.Running():
+	case err := <-done:
+		t.Fatalf("pipeline stopped at start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("pipeline did not start in 30s")
+	}
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("pipeline: %v", err)
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// UniqueGroup is a consumer group name no other test uses.
+func UniqueGroup(name string) string { return name + "-" + uuid.NewString()[:8] }
+
+// Outcomes counts the claims' results per group and outcome; Record is a
+// [pipeline.Hooks] OnResult.
+type Outcomes struct {
+	mu sync.Mutex
+	n  map[string]map[idempotency.Outcome]int
+}
+
+func (o *Outcomes) Record(r idempotency.Result) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n == nil {
+		o.n = map[string]map[idempotency.Outcome]int{}
+	}
+	if o.n[r.ConsumerGroup] == nil {
+		o.n[r.ConsumerGroup] = map[idempotency.Outcome]int{}
+	}
+	o.n[r.ConsumerGroup][r.Outcome]++
+}
+
+// Get is how many results of group had outcome.
+func (o *Outcomes) Get(group string, outcome idempotency.Outcome) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.n[group][outcome]
+}

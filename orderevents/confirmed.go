@@ -1,0 +1,106 @@
+package orderevents
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/shopspring/decimal"
+)
+
+// TypeConfirmedV1 is the event_type of [Confirmed] on the wire.
+const TypeConfirmedV1 = "order.confirmed.v1"
+
+// Confirmed is the style guide's OrderConfirmedMessage: an order that was
+// confirmed and must be charged once. Its fields are unexported so that a
+// value, once decoded or built by [NewConfirmed], is valid and cannot change.
+type Confirmed struct {
+	eventID     uuid.UUID
+	occurredAt  time.Time
+	orderID     int64
+	customerID  int64
+	totalAmount decimal.Decimal
+}
+
+// confirmedWire is the byte form this module writes: the guide's fields in a
+// fixed order, occurred_at in UTC with microseconds, the amount as a string
+// with two decimals. One event has exactly one byte form.
+type confirmedWire struct {
+	EventID     string `json:"event_id"`
+	EventType   string `json:"event_type"`
+	OccurredAt  string `json:"occurred_at"`
+	OrderID     int64  `json:"order_id"`
+	CustomerID  int64  `json:"customer_id"`
+	TotalAmount string `json:"total_amount"`
+}
+
+// occurredAtLayout is RFC 3339 with microseconds, pydantic's precision.
+const occurredAtLayout = "2006-01-02T15:04:05.000000Z07:00"
+
+// NewConfirmed builds a valid event, as a producer would before writing it to
+// its outbox. The event id must be a UUIDv7 (R-KFK-IDEM-1).
+func NewConfirmed(eventID uuid.UUID, occurredAt time.Time, orderID, customerID int64, totalAmount decimal.Decimal) (Confirmed, error) {
+	c := Confirmed{
+		eventID:     eventID,
+		occurredAt:  occurredAt.UTC().Truncate(time.Microsecond),
+		orderID:     orderID,
+		customerID:  customerID,
+		totalAmount: totalAmount,
+	}
+	if !totalAmount.Equal(totalAmount.Round(MaxFractionDigits)) {
+		return Confirmed{}, &FieldError{EventType: TypeConfirmedV1, Field: "total_amount", Want: "at most 2 fraction digits", Got: totalAmount.String()}
+	}
+	if occurredAt.IsZero() {
+		return Confirmed{}, &FieldError{EventType: TypeConfirmedV1, Field: "occurred_at", Want: "a time", Got: "the zero time"}
+	}
+	// The same checks as decoding, on the byte form this value has.
+	b, err := c.MarshalJSON()
+	if err != nil {
+		return Confirmed{}, err
+	}
+	if _, err := DecodeConfirmed(b); err != nil {
+		return Confirmed{}, err
+	}
+	return c, nil
+}
+
+// DecodeConfirmed parses and validates one message payload. Every error is a
+// [*FieldError] wrapping [ErrInvalid] that names the field.
+func DecodeConfirmed(payload []byte) (Confirmed, error) {
+	f := readFields(TypeConfirmedV1, payload)
+	c := Confirmed{
+		eventID: f.uuidV7("event_id"),
+	}
+	f.checkType()
+	c.occurredAt = f.timestamp("occurred_at")
+	c.orderID = f.int64("order_id")
+	c.customerID = f.int64("customer_id")
+	c.totalAmount = f.amount("total_amount")
+	if f.err != nil {
+		return Confirmed{}, f.err
+	}
+	return c, nil
+}
+
+// MarshalJSON writes the byte form described at [Confirmed].
+func (c Confirmed) MarshalJSON() ([]byte, error) {
+	b, err := json.Marshal(confirmedWire{
+		EventID:     c.eventID.String(),
+		EventType:   TypeConfirmedV1,
+		OccurredAt:  c.occurredAt.UTC().Format(occurredAtLayout),
+		OrderID:     c.orderID,
+		CustomerID:  c.customerID,
+		TotalAmount: c.totalAmount.StringFixed(MaxFractionDigits),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%s: encode: %w", TypeConfirmedV1, err)
+	}
+	return b, nil
+}
+
+func (c Confirmed) EventID() uuid.UUID           { return c.eventID }
+func (c Confirmed) OccurredAt() time.Time        { return c.occurredAt }
+func (c Confirmed) OrderID() int64               { return c.orderID }
+func (c Confirmed) CustomerID() int64            { return c.customerID }
+func (c Confirmed) TotalAmount() decimal.Decimal { return c.totalAmount }

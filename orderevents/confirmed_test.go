@@ -1,0 +1,197 @@
+package orderevents_test
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/orderevents"
+)
+
+// Payloads written by the style guide's own pydantic OrderConfirmedMessage
+// (model_dump_json, and json.dumps of it), recorded from
+// ../shared/bench/seedpeer's model. Each must decode.
+var fromPydantic = []string{
+	`{"event_id":"01a23a2f-4097-72fb-89dd-6b846b37ea60","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.983939Z","order_id":9007199254740993,"customer_id":2,"total_amount":"123.45"}`,
+	`{"event_id":"01a23a2f-4098-75d6-a202-77816c432a36","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.984123Z","order_id":9007199254740993,"customer_id":2,"total_amount":"10"}`,
+	`{"event_id":"01a23a2f-4098-75d6-a202-778331d6e5c4","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.984186Z","order_id":9007199254740993,"customer_id":2,"total_amount":"1E+2"}`,
+	`{"event_id": "01a23a2f-4098-75d6-a202-7784185faffe", "event_type": "order.confirmed.v1", "occurred_at": "2026-12-02T15:08:21Z", "order_id": 1, "customer_id": 2, "total_amount": "5"}`,
+	// --format seed-number: the amount as a JSON number; and an offset instead of Z.
+	`{"event_id": "01a23a2f-4098-75d6-a202-7784185faffe", "event_type": "order.confirmed.v1", "occurred_at": "2026-12-02T15:08:21.5+00:00", "order_id": 1, "customer_id": 2, "total_amount": 5.10}`,
+	// Unknown extra fields are ignored, as pydantic's default model does.
+	`{"event_id":"01a23a2f-4097-72fb-89dd-6b846b37ea60","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.983939Z","order_id":7,"customer_id":2,"total_amount":"1.00","currency":"EUR","schema_version":3}`,
+}
+
+func TestDecodesWhatThePydanticModelWrites(t *testing.T) {
+	for _, p := range fromPydantic {
+		if _, err := orderevents.DecodeConfirmed([]byte(p)); err != nil {
+			t.Errorf("%s\n  refused: %v", p, err)
+		}
+	}
+	ev, err := orderevents.DecodeConfirmed([]byte(fromPydantic[0]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.OrderID() != 9007199254740993 || ev.CustomerID() != 2 || !ev.TotalAmount().Equal(decimal.RequireFromString("123.45")) {
+		t.Fatalf("decoded %d, %d, %s", ev.OrderID(), ev.CustomerID(), ev.TotalAmount())
+	}
+	if want := time.Date(2026, 12, 3, 4, 35, 4, 983939000, time.UTC); !ev.OccurredAt().Equal(want) {
+		t.Fatalf("occurred_at %s, want %s", ev.OccurredAt(), want)
+	}
+}
+
+// valid is a payload with every field right; overrides replace raw JSON values.
+func valid(overrides map[string]string) []byte {
+	fields := []struct{ k, v string }{
+		{"event_id", fmt.Sprintf("%q", uuid.Must(uuid.NewV7()))},
+		{"event_type", `"order.confirmed.v1"`},
+		{"occurred_at", `"2026-12-02T10:00:00.123456Z"`},
+		{"order_id", `17`},
+		{"customer_id", `42`},
+		{"total_amount", `"19.90"`},
+	}
+	var parts []string
+	for _, f := range fields {
+		v, ok := overrides[f.k]
+		if !ok {
+			v = f.v
+		}
+		if v == "<absent>" {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%q:%s", f.k, v))
+	}
+	return []byte("{" + strings.Join(parts, ",") + "}")
+}
+
+func TestRejectionsNameTheFieldAndWhatWasExpected(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		field string
+		value string
+		want  string // in the error text
+	}{
+		{"uuid v4 id", "event_id", fmt.Sprintf("%q", uuid.New()), "field event_id: want a UUID version 7 string"},
+		{"missing id", "event_id", "<absent>", "field event_id: want a UUID version 7 string, got nothing (the field is missing)"},
+		{"other version", "event_type", `"order.confirmed.v2"`, `field event_type: want the string "order.confirmed.v1", got a string "order.confirmed.v2"`},
+		{"order id as string", "order_id", `"17"`, `field order_id: want a JSON integer (64-bit), got a string "17"`},
+		{"order id as UUID", "order_id", fmt.Sprintf("%q", uuid.New()), "field order_id: want a JSON integer (64-bit), got a string"},
+		{"order id fraction", "order_id", `17.5`, "field order_id: want a JSON integer (64-bit), got a number 17.5"},
+		{"order id overflow", "order_id", `9223372036854775808`, "field order_id: want a JSON integer (64-bit), got a number 9223372036854775808"},
+		{"customer id null", "customer_id", `null`, "field customer_id: want a JSON integer (64-bit), got null"},
+		{"amount float text", "total_amount", `"1e400x"`, "field total_amount: want a positive decimal"},
+		{"negative amount", "total_amount", `"-1.00"`, "field total_amount: want a positive decimal"},
+		{"zero amount", "total_amount", `0`, "field total_amount: want a positive decimal"},
+		{"sub-cent amount", "total_amount", `"1.001"`, "at most 2 fraction digits"},
+		{"amount NaN", "total_amount", `"NaN"`, "field total_amount"},
+		{"amount beyond numeric(20,2)", "total_amount", `"1e18"`, "below 10^18"},
+		{"amount huge exponent", "total_amount", `1e10000`, "below 10^18"},
+		{"amount bool", "total_amount", `true`, "got a boolean true"},
+		{"no offset", "occurred_at", `"2026-12-02T10:00:00"`, "field occurred_at: want an ISO 8601 date-time with an offset"},
+		{"bad time", "occurred_at", `"yesterday"`, "field occurred_at"},
+	} {
+		_, err := orderevents.DecodeConfirmed(valid(map[string]string{tc.field: tc.value}))
+		var fe *orderevents.FieldError
+		if !errors.Is(err, orderevents.ErrInvalid) || !errors.As(err, &fe) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: got %v; want a FieldError mentioning %q", tc.name, err, tc.want)
+			continue
+		}
+		if fe.Field != tc.field {
+			t.Errorf("%s: FieldError.Field %q, want %q", tc.name, fe.Field, tc.field)
+		}
+	}
+	for name, p := range map[string]string{
+		"not json":  "not json",
+		"array":     `[1,2]`,
+		"truncated": `{"event_id": "truncated`,
+		"empty":     ``,
+		"huge":      string(valid(map[string]string{"order_id": "1, \"padding\": \"" + strings.Repeat("x", orderevents.MaxPayloadBytes) + "\""})),
+	} {
+		_, err := orderevents.DecodeConfirmed([]byte(p))
+		if !errors.Is(err, orderevents.ErrInvalid) || !strings.Contains(err.Error(), "payload: want") {
+			t.Errorf("%s: got %v; want a payload-level FieldError", name, err)
+		}
+	}
+}
+
+func TestAmountIsExactDecimal(t *testing.T) {
+	ev, err := orderevents.DecodeConfirmed(valid(map[string]string{"total_amount": `0.10`}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := decimal.Zero
+	for range 3 {
+		sum = sum.Add(ev.TotalAmount())
+	}
+	if !sum.Equal(decimal.RequireFromString("0.30")) {
+		t.Fatalf("0.10 * 3 = %s; a float would not be exact, a decimal must be", sum)
+	}
+	// A JSON number is read from its literal text: 2^53 + 1 survives, which a
+	// float64 cannot hold.
+	ev, err = orderevents.DecodeConfirmed(valid(map[string]string{"total_amount": `9007199254740993.01`}))
+	if err != nil || ev.TotalAmount().String() != "9007199254740993.01" {
+		t.Fatalf("got %v, %v; want the exact literal", ev.TotalAmount(), err)
+	}
+	if _, err := orderevents.DecodeConfirmed(valid(map[string]string{"total_amount": `"12.5000"`})); err != nil {
+		t.Fatalf("an exact amount with extra zeros must be accepted: %v", err)
+	}
+}
+
+func TestOneEventHasOneByteForm(t *testing.T) {
+	ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), time.Date(2026, 12, 2, 10, 0, 0, 123456789, time.UTC),
+		17, 42, decimal.RequireFromString("7.5"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := ev.MarshalJSON()
+	back, err := orderevents.DecodeConfirmed(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, _ := back.MarshalJSON()
+	if string(first) != string(second) {
+		t.Fatalf("re-encoding changed the bytes:\n%s\n%s", first, second)
+	}
+	want := fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v1","occurred_at":"2026-12-02T10:00:00.123456Z","order_id":17,"customer_id":42,"total_amount":"7.50"}`, ev.EventID())
+	if string(first) != want {
+		t.Fatalf("byte form\n%s\nwant\n%s", first, want)
+	}
+	// Decoded from pydantic's form, it is written in ours, always the same way.
+	fromPy, _ := orderevents.DecodeConfirmed([]byte(fromPydantic[3]))
+	a, _ := fromPy.MarshalJSON()
+	b, _ := fromPy.MarshalJSON()
+	if string(a) != string(b) || !strings.Contains(string(a), `"occurred_at":"2026-12-02T15:08:21.000000Z"`) || !strings.Contains(string(a), `"total_amount":"5.00"`) {
+		t.Fatalf("pydantic's event in our form: %s", a)
+	}
+}
+
+func TestNewConfirmedValidates(t *testing.T) {
+	now := time.Now()
+	for name, f := range map[string]func() error{
+		"v4 id": func() error {
+			_, err := orderevents.NewConfirmed(uuid.New(), now, 1, 1, decimal.NewFromInt(1))
+			return err
+		},
+		"sub-cent": func() error {
+			_, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.RequireFromString("0.001"))
+			return err
+		},
+		"zero amount": func() error {
+			_, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), now, 1, 1, decimal.Zero)
+			return err
+		},
+		"zero timestamp": func() error {
+			_, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), time.Time{}, 1, 1, decimal.NewFromInt(1))
+			return err
+		},
+	} {
+		if err := f(); !errors.Is(err, orderevents.ErrInvalid) {
+			t.Errorf("%s: got %v, want ErrInvalid", name, err)
+		}
+	}
+}
