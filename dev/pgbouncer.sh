@@ -13,7 +13,7 @@
 #
 # The URL it prints carries default_query_exec_mode=exec: pgx's default mode
 # keeps named prepared statements on a server connection, which the pooler
-# hands to others (see the README, "Behind a connection pooler").
+# hands to others (see docs/guarantees.md, "Behind a connection pooler").
 #
 # Settings: ONCE_PGBOUNCER_PORT (16432), ONCE_PG_PORT (15432, the server),
 # ONCE_DEV_DIR (.dev in the repository).
