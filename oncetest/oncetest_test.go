@@ -237,3 +237,21 @@ func TestAHeldMessageHoldsThoseBehindIt(t *testing.T) {
 	}
 	h.SendJSON(topic, first, second).Of("invoices").Require(t, oncetest.Processed)
 }
+
+// Publish refuses an event whose id is not a UUIDv7 at the call, in the
+// handler: its consumers would dead-letter it (review finding).
+func TestPublishRefusesAnIDThatIsNotAUUIDv7(t *testing.T) {
+	db := oncetest.NewDB(t)
+	var published error
+	h := oncetest.New(t, oncetest.Config{DB: db.Pool, Tables: db.Tables,
+		Outgoing: []pipeline.OutgoingBinding{pipeline.Outgoing[billed]{Name: "customer.billed.v1", Key: func(b billed) string { return b.Issued.String() }}},
+		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{{Name: "g",
+			Handle: func(ctx context.Context, tx pgx.Tx, ev issued) error {
+				published = pipeline.Publish(ctx, tx, billed{ID: uuid.New(), Issued: ev.ID})
+				return nil
+			}}}}}})
+	h.SendJSON(topic, newIssued(1, 1)).Require(t, oncetest.Processed)
+	if published == nil || !strings.Contains(published.Error(), "not a UUIDv7") {
+		t.Fatalf("Publish of a UUIDv4 id: %v; want it refused", published)
+	}
+}

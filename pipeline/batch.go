@@ -184,6 +184,13 @@ func (b *batcher) signal() {
 
 type attemptCtxKey struct{}
 
+// batchCtxKey marks the context of a batch's handler and InTx middleware.
+type batchCtxKey struct{}
+
+// errInTxSkippedTheBatch: a team's InTx middleware returned without calling
+// the batch's handler.
+var errInTxSkippedTheBatch = errors.New("pipeline: an InTx middleware returned without calling the batch's handler; its events run on their own, where it decides event by event")
+
 // claim is the group's claim stage: the first attempt of a message joins a
 // batch; one the batch could not decide, and every later attempt, goes
 // through next, the group's per-event claim, once every message before it
@@ -479,20 +486,33 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 			}
 			evs[i] = ev.value
 		}
+		// Publish works in a batch as in a handler of one event; DerivedID
+		// and EventFrom do not (there is no one event): they say so.
+		ctx = context.WithValue(context.WithValue(ctx, publisherCtxKey{}, b.p.publisher), batchCtxKey{}, true)
 		if len(b.inTx) == 0 {
 			return b.handle(ctx, tx, evs)
 		}
 		// A team's InTx middleware wraps the batch once, in its
 		// transaction; the message it sees is the batch's first, with the
-		// batch's context (the transaction, that first event).
-		h := func(msg *message.Message) ([]*message.Message, error) { return nil, b.handle(msg.Context(), tx, evs) }
+		// batch's context. One that does not call the handler (a filter
+		// written for one event) fails the batch, whose events then run on
+		// their own, each through the middleware: it decides event by
+		// event, and no event is claimed without its handler.
+		handled := false
+		h := func(msg *message.Message) ([]*message.Message, error) {
+			handled = true
+			return nil, b.handle(msg.Context(), tx, evs)
+		}
 		for i := len(b.inTx) - 1; i >= 0; i-- {
 			h = b.inTx[i](h)
 		}
 		carrier := &message.Message{UUID: claimed[0].UUID, Metadata: claimed[0].Metadata, Payload: claimed[0].Payload}
-		carrier.SetContext(context.WithValue(ctx, eventCtxKey{}, claimed[0].Context().Value(eventCtxKey{})))
+		carrier.SetContext(ctx)
 		out, err := h(carrier)
-		if err == nil && len(out) > 0 {
+		switch {
+		case err == nil && !handled:
+			return errInTxSkippedTheBatch
+		case err == nil && len(out) > 0:
 			return fmt.Errorf("%w (%d messages)", ErrReturnedMessages, len(out))
 		}
 		return err

@@ -74,7 +74,8 @@ func DeliveryFrom(ctx context.Context) (d Delivery, ok bool) {
 
 // EventFrom is the decoded event of the message a handler or a team's
 // BeforeClaim or InTx middleware works on (Observe runs before decoding).
-// ok is false when there is none, or it is not an E.
+// ok is false when there is none, or it is not an E; and in the handler
+// and InTx middleware of a batch, which has many.
 func EventFrom[E Event](ctx context.Context) (ev E, ok bool) {
 	d, found := ctx.Value(eventCtxKey{}).(decoded)
 	if !found {

@@ -181,8 +181,9 @@ type Delivery struct {
 	// Headers are the message's Kafka headers, and the pipeline's metadata
 	// (MetaKafkaPartition, MetaKafkaOffset, MetaKafkaKey). Read them only.
 	Headers map[string]string
-	// Attempt counts the attempts of this delivery, from 1 (as
-	// [DeliveryFrom] sees it; 0 in hooks).
+	// Attempt counts the attempts of this delivery, from 1, as
+	// [DeliveryFrom] sees it inside them (BeforeClaim, InTx, the handler);
+	// 0 in Observe, which runs before them, and in hooks.
 	Attempt int
 }
 

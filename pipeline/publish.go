@@ -143,6 +143,10 @@ func PublishTo[E Event](ctx context.Context, tx pgx.Tx, topic string, ev E) erro
 }
 
 func (p *publisher) publish(ctx context.Context, tx pgx.Tx, o outgoingBinding, id uuid.UUID, ev any) error {
+	if id.Version() != 7 {
+		// Its consumers would dead-letter it: refused where it is made.
+		return fmt.Errorf("pipeline: %T for %s: its EventID %s is not a UUIDv7 (DerivedID, or outbox.EventID, makes one)", ev, o.name, id)
+	}
 	key, payload, err := o.encode(ev)
 	if err != nil {
 		return fmt.Errorf("pipeline: encode %T %s for %s: %w", ev, id, o.name, err)
@@ -159,7 +163,13 @@ func (p *publisher) publish(ctx context.Context, tx pgx.Tx, o outgoingBinding, i
 // replay, derive the same id, which downstream consumers dedup; take at
 // from a durable record of what happened (a row committed earlier), not
 // from the clock of the attempt.
+//
+// A batch's handler has many events: it derives each one's follow-up id
+// with outbox.EventID(ev.EventID(), eventType, at); DerivedID refuses.
 func DerivedID(ctx context.Context, eventType string, at time.Time) (uuid.UUID, error) {
+	if ctx.Value(batchCtxKey{}) != nil {
+		return uuid.Nil, errors.New("pipeline: DerivedID in a batch, which has no one event: derive each event's with outbox.EventID(ev.EventID(), eventType, at)")
+	}
 	ev, ok := ctx.Value(eventCtxKey{}).(decoded)
 	if !ok {
 		return uuid.Nil, fmt.Errorf("%w: DerivedID", ErrNotAHandlersContext)

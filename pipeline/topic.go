@@ -136,7 +136,9 @@ type Group[E Event] struct {
 type Extra struct {
 	// Observe sees every delivery and how it ended: nil when the message was
 	// acknowledged (processed, skipped or dead-lettered), an error when it
-	// was left for redelivery. For metrics, logs and traces.
+	// was left for redelivery; Hooks.OnResult and OnDeadLetter tell which.
+	// It runs before the attempts: [DeliveryFrom] gives Attempt 0 there.
+	// For metrics, logs and traces.
 	Observe []message.HandlerMiddleware
 	// BeforeClaim runs after decoding and before the claim's transaction
 	// begins, inside the retries and the recoverer: a failure there is
@@ -145,9 +147,13 @@ type Extra struct {
 	// InTx runs inside the claim's transaction, around the handler, for first
 	// deliveries only (idempotency.TxFromContext gives the transaction). For
 	// a batched group it runs once per batch, around the batch handler, in
-	// the batch's transaction; the message it sees is the batch's first. It
-	// must not return messages: publishing after the commit could be lost
-	// ([Publish] in the transaction instead).
+	// the batch's transaction: the message it sees is the batch's first,
+	// and [EventFrom] and [DeliveryFrom] report none (a batch has many). A
+	// middleware that returns without calling the handler (a filter) fails
+	// the batch, whose events then run on their own, through it, one by
+	// one: no event is claimed without its handler. It must not return
+	// messages: publishing after the commit could be lost ([Publish] in the
+	// transaction instead).
 	InTx []message.HandlerMiddleware
 }
 
