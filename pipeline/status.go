@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -245,15 +246,25 @@ const (
 
 // topicNeeds is what the pipeline's principal must be allowed on topic:
 // READ and DESCRIBE on one it consumes, WRITE and DESCRIBE on a dead-letter
-// topic; and how an error says so.
+// or Outgoing topic, all of them on a topic that is both (analytics
+// consumes what billing publishes); and how an error says so.
 func (p *Pipeline) topicNeeds(topic string) (ops []int, what string) {
-	if slices.Contains(p.dlqTopics, topic) {
-		return []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to publish dead letters)"
+	var names, whys []string
+	if slices.ContainsFunc(p.groups, func(g groupRef) bool { return g.topic == topic }) {
+		ops, names, whys = append(ops, aclRead), append(names, "READ"), append(whys, "to consume it")
 	}
-	if slices.Contains(p.OutgoingTopics(), topic) {
-		return []int{aclWrite, aclDescribe}, "WRITE and DESCRIBE (to forward the outbox's events)"
+	deadLetters, outgoing := slices.Contains(p.dlqTopics, topic), slices.Contains(p.OutgoingTopics(), topic)
+	if deadLetters || outgoing {
+		ops, names = append(ops, aclWrite), append(names, "WRITE")
 	}
-	return []int{aclRead, aclDescribe}, "READ and DESCRIBE (to consume it)"
+	if deadLetters {
+		whys = append(whys, "to publish dead letters")
+	}
+	if outgoing {
+		whys = append(whys, "to forward the outbox's events")
+	}
+	ops, names = append(ops, aclDescribe), append(names, "DESCRIBE")
+	return ops, fmt.Sprintf("%s (%s)", strings.Join(names, ", "), strings.Join(whys, "; "))
 }
 
 // checkTopicOperations asks the broker what the principal may do on each
