@@ -247,7 +247,26 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 		return Report{}, fmt.Errorf("retention: read the database's clock: %w", err)
 	}
 	now = now.UTC()
-	cutoff := now.Add(-cfg.Retention)
+	// By the longer of this process's retention and the recorded one: an
+	// instance still running with a shorter one than was set since must
+	// not delete claims the others rely on.
+	keep := cfg.Retention
+	var recorded int64
+	err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
+		return tx.QueryRow(ctx, `SELECT retention_seconds FROM `+cfg.Tables.RetentionPolicy().Qualified+` WHERE claim_table = $1`,
+			cfg.Tables.Claims().Name).Scan(&recorded)
+	})
+	switch {
+	case err == nil:
+		if r := time.Duration(recorded) * time.Second; r > keep {
+			cfg.Logger.Warn("retention: this process keeps claims for less than the recorded retention; deleting by the recorded one",
+				"claim_table", cfg.Tables.Claims().Qualified, "retention", cfg.Retention, "recorded", r)
+			keep = r
+		}
+	case !errors.Is(err, pgx.ErrNoRows):
+		return Report{}, fmt.Errorf("retention: read the recorded retention: %w", err)
+	}
+	cutoff := now.Add(-keep)
 	ddl := ddlRunner{db: cfg.DB, lease: l, timeout: cfg.LockTimeout, retries: cfg.LockRetries, log: cfg.Logger, rep: &rep}
 	// Tomorrow's partition first: a drop that keeps giving way to long
 	// claim transactions must not leave new days in the default partition.
@@ -568,7 +587,12 @@ func Agree(ctx context.Context, cfg Config) error {
 }
 
 // SetRetention records retention for the claim table, on purpose: every
-// consumer and maintenance process must then be restarted with it.
+// consumer and maintenance process must then be restarted with it. A longer
+// one than before widens the dedup horizon only as fast as the claims
+// reach back again (schema.CoveredRetention): those between the old and
+// the new retention were deleted under the old one. Until every process
+// runs with the new one, retention passes delete by the longer of theirs
+// and the recorded one.
 func SetRetention(ctx context.Context, cfg Config) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -576,8 +600,9 @@ func SetRetention(ctx context.Context, cfg Config) error {
 	}
 	policy := cfg.Tables.RetentionPolicy().Qualified
 	err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
-		_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2)
-ON CONFLICT (claim_table) DO UPDATE SET retention_seconds = EXCLUDED.retention_seconds, set_at = now()`,
+		_, err := tx.Exec(ctx, `INSERT INTO `+policy+` AS recorded (claim_table, retention_seconds) VALUES ($1, $2)
+ON CONFLICT (claim_table) DO UPDATE SET retention_seconds = EXCLUDED.retention_seconds, set_at = now(),
+    covered_seconds = `+schema.CoveredRetention("recorded"),
 			cfg.Tables.Claims().Name, int64(cfg.Retention.Seconds()))
 		return err
 	})

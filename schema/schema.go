@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -44,9 +45,18 @@ func Migrate(ctx context.Context, db *pgxpool.Pool, cfg Config) ([]int64, error)
 	}
 	lockID := int64(crc64.Checksum([]byte("once.schema."+cfg.Schema), crc64.MakeTable(crc64.ECMA)) >> 1)
 	versions := cfg.Versions().Name
-	if pending, err := pendingMigrations(ctx, sqlDB, versions, ms); err != nil {
+	pending, err := pendingMigrations(ctx, sqlDB, versions, ms)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		// A role that may not read the versions may not migrate either:
+		// whether the tables are there, and as this release needs them,
+		// Check says.
+		return nil, Check(ctx, db, cfg)
+	}
+	if err != nil {
 		return nil, err
-	} else if !pending {
+	}
+	if !pending {
 		return nil, Check(ctx, db, cfg)
 	}
 	// IF NOT EXISTS is not safe against a concurrent creator: instances
@@ -206,7 +216,26 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		// byte form is a duplicate (idempotency.Config.Fingerprint). NULL in
 		// claims made before it.
 		up(7, `ALTER TABLE `+cfg.Claims().Qualified+` ADD COLUMN IF NOT EXISTS values_sha256 bytea`),
+		// 8: how far back the claims reached when the retention was last
+		// set: a retention made longer covers only what the shorter one
+		// kept, growing from there (see CoveredRetention). NULL: all of
+		// the retention.
+		up(8, `ALTER TABLE `+cfg.RetentionPolicy().Qualified+` ADD COLUMN IF NOT EXISTS covered_seconds bigint`),
 	}, nil
+}
+
+// CoveredRetention is an SQL expression, over a row of the retention
+// policy table (named row; "" for unqualified columns), of how far back,
+// in seconds, the claims reach now: the recorded retention, unless it was
+// made longer, whose claims between the old and the new retention were
+// deleted under the old one; the claims then reach as far as they did when
+// it was set, plus the time since, up to the new retention. A dedup
+// horizon is no wider than it.
+func CoveredRetention(row string) string {
+	if row != "" {
+		row += "."
+	}
+	return fmt.Sprintf(`LEAST(%[1]sretention_seconds, COALESCE(%[1]scovered_seconds + floor(extract(epoch FROM now() - %[1]sset_at))::bigint, %[1]sretention_seconds))`, row)
 }
 
 // OutboxTopic is the watermill-sql topic of every outbox: its tables are
@@ -391,6 +420,14 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 		}
 		if !hasDefault {
 			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail", claims)
+		}
+		// The newest migration's column: the claim statement reads it, and
+		// a database that lacks it would fail every claim.
+		policy := cfg.RetentionPolicy()
+		var covered string
+		if err := tx.QueryRow(ctx, `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
+			WHERE a.attrelid = to_regclass($1) AND a.attname = 'covered_seconds' AND NOT a.attisdropped`, policy.Qualified).Scan(&covered); err != nil || covered != "bigint" {
+			return fmt.Errorf("schema: %s has no covered_seconds bigint: the database is not migrated to this release's version (migrate it: schema.Migrate, app migrate)", policy)
 		}
 		return nil
 	})

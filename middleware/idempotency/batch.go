@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/once-dev/once/schema"
 )
 
 // claimBatchSQL is claimSQL for many events at once: one statement, one
@@ -20,12 +21,12 @@ import (
 // take their row locks in the same order and cannot deadlock.
 //
 // %s: the claim table, then the retention policy table (see claimSQL).
-const claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
+var claimBatchSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
 SELECT u.k, $2, u.h, u.v FROM (SELECT ` + bounds + `) AS bounded,
   unnest($1::uuid[], $3::bytea[], $7::bytea[]) AS u(k, h, v)
 ORDER BY u.k
 ON CONFLICT (event_id, consumer_group) DO NOTHING
-RETURNING event_id, processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
+RETURNING event_id, processed_at, (SELECT ` + schema.CoveredRetention("") + ` FROM %s WHERE claim_table = $5)`
 
 // storedHashesSQL reads the claims a batch did not insert, in a statement of
 // its own for a fresh snapshot (see storedHashSQL).

@@ -49,10 +49,10 @@ import (
 // transaction pooler (PgBouncer) a session setting would stay on a server
 // connection that the next transaction of another client gets, and a
 // setting in the connection's start-up packet is refused by the pooler.
-const claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
+var claimSQL = `INSERT INTO %s (event_id, consumer_group, payload_sha256, values_sha256)
 SELECT $1, $2, $3, $7 FROM (SELECT ` + bounds + `) AS bounded
 ON CONFLICT (event_id, consumer_group) DO NOTHING
-RETURNING processed_at, (SELECT retention_seconds FROM %s WHERE claim_table = $5)`
+RETURNING processed_at, (SELECT ` + schema.CoveredRetention("") + ` FROM %s WHERE claim_table = $5)`
 
 // bounds is the select list that makes the claim's transaction durable and
 // bounded (see claimSQL); $4 and $6 are milliseconds as text, or NULL for
