@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -43,6 +44,8 @@ const (
 	DefaultDrainTimeout = 30 * time.Second
 	// DefaultMaxConns is the size of each pool the service opens.
 	DefaultMaxConns = 20
+	// DefaultConnectTimeout bounds opening one connection to PostgreSQL.
+	DefaultConnectTimeout = 5 * time.Second
 	// DefaultWatchInterval is how often lag and the tables are read for the
 	// metrics.
 	DefaultWatchInterval = 10 * time.Second
@@ -83,6 +86,11 @@ type Config struct {
 	// MaxConns of each pool the service opens: a group holds a connection
 	// per message in flight. Default: [DefaultMaxConns].
 	MaxConns int32
+	// ConnectTimeout bounds opening one connection of those pools (a URL's
+	// connect_timeout wins): a host that drops packets would otherwise hold
+	// a pool's slot for the kernel's TCP timeout, minutes. Default:
+	// [DefaultConnectTimeout].
+	ConnectTimeout time.Duration
 	// Tables names the library's tables in every database. Default:
 	// schema's defaults (public.processed_event, ...).
 	Tables schema.Config
@@ -108,8 +116,10 @@ type Config struct {
 	// retention.Partitioned.
 	RetentionMode retention.Mode
 	// MaintenanceInterval is how often this process runs a retention pass
-	// and prunes the outbox in every database; negative: never (a cron job
-	// of app maintain does). Default: [DefaultMaintenanceInterval].
+	// and prunes the outbox (and runs OnMaintenance) in every database;
+	// negative: retention passes only at start-up (a cron job of app
+	// maintain runs them), the pruning still every
+	// [DefaultMaintenanceInterval]. Default: [DefaultMaintenanceInterval].
 	MaintenanceInterval time.Duration
 	// MaxEventAge is the dedup horizon: an event older than it is refused
 	// (or processed, by a group whose TooOld says so) instead of claimed,
@@ -170,6 +180,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.MaxConns == 0 {
 		c.MaxConns = DefaultMaxConns
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = DefaultConnectTimeout
 	}
 	c.Tables = c.Tables.WithDefaults()
 	if c.Retention == 0 {
@@ -241,9 +254,14 @@ func (c Config) Validate() error {
 	for _, s := range c.pipelineConfig(nil, nil).GroupNames() {
 		groups[s] = true
 	}
-	for g := range c.GroupDatabases {
+	for g, url := range c.GroupDatabases {
 		if !groups[g] {
 			errs = append(errs, fmt.Errorf("once: GroupDatabases names group %q, which no topic has", g))
+		}
+		if url == "" {
+			// pgx would connect to wherever the PG* variables point: the
+			// group's claims could be in another database on every host.
+			errs = append(errs, fmt.Errorf("once: GroupDatabases[%s] is empty: give its database's URL, or leave the group out", g))
 		}
 	}
 	if err := c.pipelineConfig(nil, nil).Validate(); err != nil {
@@ -332,6 +350,9 @@ type Service struct {
 
 	mu      sync.Mutex
 	running bool
+	// retentionDenied are the databases (by name) where this role may not
+	// run retention passes.
+	retentionDenied sync.Map
 }
 
 // New checks cfg, connects to every database (a pooler's exec mode is
@@ -414,8 +435,9 @@ func (s *Service) connectKafka(ctx context.Context, pcfg pipeline.Config) error 
 
 // openDatabases opens (or takes) the main database and each group's own.
 func (s *Service) openDatabases(ctx context.Context) error {
-	main := database{name: "default", setting: "DatabaseURL", pool: s.cfg.DB}
+	main := database{name: "default", setting: "DB", pool: s.cfg.DB}
 	if main.pool == nil {
+		main.setting = "DatabaseURL"
 		pool, err := s.connect(ctx, s.cfg.DatabaseURL, "DatabaseURL")
 		if err != nil {
 			return err
@@ -451,6 +473,7 @@ func (s *Service) connect(ctx context.Context, url, setting string) (*pgxpool.Po
 		return nil, settingError(setting, err)
 	}
 	cfg.MaxConns = s.cfg.MaxConns
+	pgdb.BoundConnect(cfg, s.cfg.ConnectTimeout)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, settingError(setting, err)
@@ -466,6 +489,16 @@ func (s *Service) connect(ctx context.Context, url, setting string) (*pgxpool.Po
 	return pool, nil
 }
 
+// awaitRecordedRetention records the claims' retention, or checks it
+// against the one recorded, waiting for a database that cannot answer yet;
+// a disagreement, and no retention recorded where this role may not record
+// one, are final.
+func awaitRecordedRetention(ctx context.Context, log *slog.Logger, rcfg retention.Config) error {
+	return startup.ForDatabase(ctx, log, "the recorded retention", func(err error) bool {
+		return errors.Is(err, retention.ErrRetentionDisagrees) || errors.Is(err, retention.ErrRetentionNotRecorded)
+	}, func() error { return retention.Agree(ctx, rcfg) })
+}
+
 // prepare migrates or checks the library's tables in db, and records its
 // claims' retention or checks it, waiting for a database that cannot
 // answer yet.
@@ -477,10 +510,7 @@ func (s *Service) prepare(ctx context.Context, db database) error {
 	} else if _, err := schema.Migrate(ctx, db.pool, s.cfg.Tables); err != nil {
 		return settingError(db.setting, err)
 	}
-	rcfg := s.retentionConfig(db)
-	err := startup.ForDatabase(ctx, s.cfg.Logger, "the recorded retention", func(err error) bool {
-		return errors.Is(err, retention.ErrRetentionDisagrees) || errors.Is(err, retention.ErrRetentionNotRecorded)
-	}, func() error { return retention.Agree(ctx, rcfg) })
+	err := awaitRecordedRetention(ctx, s.cfg.Logger, s.retentionConfig(db))
 	switch {
 	case errors.Is(err, retention.ErrRetentionDisagrees), errors.Is(err, retention.ErrRetentionNotRecorded):
 		return settingError("Retention", fmt.Errorf("%s: %w", db.setting, err))
@@ -516,10 +546,15 @@ func (s *Service) Run(ctx context.Context) error {
 		// One pass before consuming, so that today's partitions exist; a
 		// failed one (a read-only database during a failover) is logged and
 		// consuming goes on: the next pass catches up.
-		s.maintain(loops, db)
-		if s.cfg.MaintenanceInterval > 0 {
-			wg.Go(func() { every(loops, s.cfg.MaintenanceInterval, func() { s.maintain(loops, db) }) })
+		s.maintain(loops, db, true)
+		// Without retention passes of its own (a cron job of app maintain
+		// runs them), the outbox and OnMaintenance are still pruned here:
+		// nothing else does, and they would grow without end.
+		interval, retentionToo := s.cfg.MaintenanceInterval, s.cfg.MaintenanceInterval > 0
+		if !retentionToo {
+			interval = DefaultMaintenanceInterval
 		}
+		wg.Go(func() { every(loops, interval, func() { s.maintain(loops, db, retentionToo) }) })
 	}
 	stores := make(metrics.Stores, 0, len(s.dbs))
 	for _, db := range s.dbs {
@@ -536,14 +571,24 @@ func (s *Service) Run(ctx context.Context) error {
 	return s.pipeline.Run(ctx)
 }
 
-// maintain runs one retention pass, prunes the outbox and runs
-// OnMaintenance in db.
-func (s *Service) maintain(ctx context.Context, db database) {
+// maintain runs one retention pass (withRetention), prunes the outbox and
+// runs OnMaintenance in db.
+func (s *Service) maintain(ctx context.Context, db database, withRetention bool) {
 	log := s.cfg.Logger.With("database", db.name)
-	rep, err := retention.Run(ctx, s.retentionConfig(db))
-	s.metrics.RetentionPass(rep, err)
-	if err != nil && ctx.Err() == nil {
-		log.Error("retention pass failed; consuming anyway, the next pass catches up", "next_in", s.cfg.MaintenanceInterval, "err", err)
+	if _, denied := s.retentionDenied.Load(db.name); withRetention && !denied {
+		rep, err := retention.Run(ctx, s.retentionConfig(db))
+		s.metrics.RetentionPass(rep, err)
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "42501":
+			// A least-privilege role: the tables' owner runs retention
+			// (app maintain). Said once, not every pass.
+			s.retentionDenied.Store(db.name, true)
+			log.Warn("this role may not run retention passes; the tables' owner must (a cron job of app maintain, or retention.Run); "+
+				"consuming goes on, and the outbox is still pruned here", "err", err)
+		case err != nil && ctx.Err() == nil:
+			log.Error("retention pass failed; consuming anyway, the next pass catches up", "next_in", s.cfg.MaintenanceInterval, "err", err)
+		}
 	}
 	if n, err := s.outbox.Prune(ctx, db.pool, s.cfg.OutboxRetention, 5000); err != nil && ctx.Err() == nil {
 		log.Error("prune the consumer outbox", "err", err)

@@ -19,6 +19,8 @@ import (
 
 	"github.com/once-dev/once"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/oncetest"
+	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/schema"
 )
 
@@ -62,26 +64,7 @@ func ownTables(t *testing.T) schema.Config {
 }
 
 // start runs svc until the test ends.
-func start(t *testing.T, svc *once.Service) {
-	t.Helper()
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- svc.Run(ctx) }()
-	t.Cleanup(func() {
-		stop()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-		svc.Close()
-	})
-	select {
-	case <-svc.Pipeline().Running():
-	case err := <-done:
-		t.Fatalf("the service stopped at start-up: %v", err)
-	case <-time.After(60 * time.Second):
-		t.Fatal("the service did not start within 60s")
-	}
-}
+var start = oncetest.Run
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
@@ -167,7 +150,7 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 	var mu sync.Mutex
 	var deliveries []once.Delivery
 	var unknownType, emptyKey, batchInTx error
-	var inTxRuns, batchedEvents atomic.Int64
+	var inTxRuns, batchedEvents, batches, runAlone atomic.Int64
 	inTx := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			inTxRuns.Add(1)
@@ -175,6 +158,7 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 		}
 	}
 	svc, err := once.New(context.Background(), once.Config{Brokers: brokers, DatabaseURL: os.Getenv("DATABASE_URL"), Tables: ownTables(t), Logger: quiet(),
+		Hooks: once.Hooks{OnBatch: func(b pipeline.BatchDone) { batches.Add(1); runAlone.Add(int64(b.RunAlone)) }},
 		Outgoing: []once.OutgoingBinding{once.Outgoing[ping]{Name: out, Key: func(p ping) string {
 			if p.N < 0 {
 				return ""
@@ -228,7 +212,41 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 	if emptyKey == nil || !strings.Contains(emptyKey.Error(), "Key is empty") {
 		t.Fatalf("Publish with an empty key: %v", emptyKey)
 	}
-	if n := inTxRuns.Load(); n == 0 || n > 5 || batchInTx != nil {
-		t.Fatalf("InTx of the batched group ran %d times (%v); want once per batch", n, batchInTx)
+	if n := inTxRuns.Load(); n == 0 || n != batches.Load() || runAlone.Load() != 0 || batchInTx != nil {
+		t.Fatalf("InTx of the batched group ran %d times for %d batches (%d events run alone; %v); want once per batch, none alone",
+			n, batches.Load(), runAlone.Load(), batchInTx)
+	}
+}
+
+// A database host that swallows every byte does not hold start-up for the
+// kernel's TCP timeout: each connection's opening is bounded by
+// ConnectTimeout (review finding: the front door dropped serve's
+// --db-connect-timeout).
+func TestADatabaseThatSwallowsEverythingFailsWithinTheConnectTimeout(t *testing.T) {
+	_, proxy := testenv.ProxiedPostgres(t, testenv.Postgres(t))
+	proxy.BlackHole(true)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err := once.New(ctx, once.Config{Brokers: testenv.Brokers(t), DatabaseURL: proxy.URL(os.Getenv("DATABASE_URL")),
+		ConnectTimeout: 300 * time.Millisecond, Logger: quiet(),
+		Topics: []once.Binding{once.Topic[ping]{Name: "never.consumed", Decode: decodePing,
+			Groups: []once.Group[ping]{{Name: "g", Handle: func(context.Context, pgx.Tx, ping) error { return nil }}}}}})
+	if !proxy.Swallowed() {
+		t.Fatal("the proxy swallowed nothing: the fault did not happen")
+	}
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "DatabaseURL") {
+		t.Fatalf("New behind a black hole: %v (the test's minute: %v); want DatabaseURL's connection refused within its timeout", err, ctx.Err())
+	}
+}
+
+// An empty URL for a group's database is refused: pgx would connect to
+// whatever the PG* variables say, and the group's claims would live
+// elsewhere on each host (review finding).
+func TestAnEmptyGroupDatabaseURLIsRefused(t *testing.T) {
+	err := once.Config{Brokers: []string{"127.0.0.1:1"}, DatabaseURL: "postgres://x@127.0.0.1:1/x", GroupDatabases: map[string]string{"g": ""},
+		Topics: []once.Binding{once.Topic[ping]{Name: "t", Decode: decodePing,
+			Groups: []once.Group[ping]{{Name: "g", Handle: func(context.Context, pgx.Tx, ping) error { return nil }}}}}}.Validate()
+	if err == nil || !strings.Contains(err.Error(), "GroupDatabases[g] is empty") {
+		t.Fatalf("an empty group database URL: %v; want it refused by name", err)
 	}
 }

@@ -23,6 +23,7 @@ type exampleT struct{ cleanups []func() }
 func (*exampleT) Helper()                      {}
 func (*exampleT) Fatal(args ...any)            { panic(fmt.Sprint(args...)) }
 func (*exampleT) Fatalf(f string, args ...any) { panic(fmt.Sprintf(f, args...)) }
+func (*exampleT) Errorf(f string, args ...any) { panic(fmt.Sprintf(f, args...)) }
 func (*exampleT) Skip(args ...any)             { panic(fmt.Sprint(args...)) }
 func (e *exampleT) Cleanup(f func())           { e.cleanups = append(e.cleanups, f) }
 func (e *exampleT) done() {

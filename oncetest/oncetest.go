@@ -40,6 +40,7 @@ type TB interface {
 	Helper()
 	Fatal(args ...any)
 	Fatalf(format string, args ...any)
+	Errorf(format string, args ...any)
 	Skip(args ...any)
 	Cleanup(func())
 }

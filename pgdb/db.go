@@ -2,9 +2,11 @@ package pgdb
 
 import (
 	"context"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // DB is the one database type of the library: where a group's claims, its
@@ -16,4 +18,13 @@ type DB interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// BoundConnect bounds opening each of cfg's connections by d, unless its
+// URL set connect_timeout: a host that drops packets would otherwise hold a
+// pool's slot for the kernel's TCP timeout, minutes.
+func BoundConnect(cfg *pgxpool.Config, d time.Duration) {
+	if cfg.ConnConfig.ConnectTimeout == 0 && d > 0 {
+		cfg.ConnConfig.ConnectTimeout = d
+	}
 }

@@ -46,9 +46,9 @@ func testHeldLongerThanAnAttempt(t *testing.T, m handlerMode) {
 	cfg.HoldBackoff, cfg.HoldMaxBackoff = 100*time.Millisecond, 200*time.Millisecond
 	cfg.AttemptTimeout = time.Second
 	run(t, cfg)
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, a))
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, b))
-	testenv.Eventually(t, time.Minute, "both processed", func() bool { return effects(t, e.pool, r.group) == 2 })
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, a))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, b))
+	testenv.Eventually(t, time.Minute, "both processed", func() bool { return effects(t, e.Pool, r.group) == 2 })
 	mu.Lock()
 	defer mu.Unlock()
 	if failures < 5 {
@@ -88,7 +88,7 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 		g.Handle = work
 	}
 	stop := run(t, e.config(g))
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
 	select {
 	case <-entered:
 	case <-time.After(30 * time.Second):
@@ -99,7 +99,7 @@ func testStopEndsAHandler(t *testing.T, m handlerMode) {
 	if took := time.Since(start); took > 10*time.Second {
 		t.Fatalf("stop took %s: it waited for the handler instead of ending its attempt", took.Round(time.Millisecond))
 	}
-	if n := effects(t, e.pool, r.group); n != 0 {
+	if n := effects(t, e.Pool, r.group); n != 0 {
 		t.Fatalf("%d effects of a handler stopped mid-work: its attempt committed", n)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
@@ -30,10 +31,10 @@ func BenchmarkCommitModes(b *testing.B) {
 			for i := range msgs {
 				ev := validEvent(b, "1.00")
 				p, _ := ev.MarshalJSON()
-				msgs[i] = &sarama.ProducerMessage{Topic: e.topic, Key: sarama.StringEncoder(fmt.Sprint(ev.OrderID())), Value: sarama.ByteEncoder(p)}
+				msgs[i] = &sarama.ProducerMessage{Topic: e.Topic, Key: sarama.StringEncoder(fmt.Sprint(ev.OrderID())), Value: sarama.ByteEncoder(p)}
 			}
 			for i := 0; i < len(msgs); i += 500 {
-				if err := e.prod.SendMessages(msgs[i:min(i+500, len(msgs))]); err != nil {
+				if err := e.Prod.SendMessages(msgs[i:min(i+500, len(msgs))]); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -74,7 +75,5 @@ func BenchmarkCommitModes(b *testing.B) {
 
 func newBenchEnv(b *testing.B) *env {
 	b.Helper()
-	pool := testenv.Postgres(b)
-	brokers := testenv.Brokers(b)
-	return &env{pool: pool, brokers: brokers, topic: testenv.Topic(b, brokers, 6), dlq: testenv.Topic(b, brokers, 1), prod: testenv.Producer(b, brokers)}
+	return &env{pipelinetest.NewEnv(b, testenv.Postgres(b), 6)}
 }

@@ -82,7 +82,7 @@ func TestAPanicInABatchHandlerHoldsItsEventAndNothingElse(t *testing.T) {
 		if i == 5 {
 			ev = bad
 		}
-		testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+		testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, ev))
 	}
 	testenv.Eventually(t, 30*time.Second, "the event that panics held", func() bool {
 		for _, s := range p.Status() {
@@ -92,12 +92,12 @@ func TestAPanicInABatchHandlerHoldsItsEventAndNothingElse(t *testing.T) {
 		}
 		return false
 	})
-	if panics.Load() < 2 || effects(t, e.pool, r.group) != 5 {
+	if panics.Load() < 2 || effects(t, e.Pool, r.group) != 5 {
 		t.Fatalf("%d panics, %d effects; want the batch's panic and the event's own, and the 5 events before it processed",
-			panics.Load(), effects(t, e.pool, r.group))
+			panics.Load(), effects(t, e.Pool, r.group))
 	}
 	healed.Store(true)
-	testenv.Eventually(t, 30*time.Second, "all ten processed once the bug is gone", func() bool { return effects(t, e.pool, r.group) == 10 })
+	testenv.Eventually(t, 30*time.Second, "all ten processed once the bug is gone", func() bool { return effects(t, e.Pool, r.group) == 10 })
 }
 
 // A partition whose consumer stops inside the session (its offset out of
@@ -125,25 +125,25 @@ func TestAPartitionWhoseLogWasTruncatedUnderItGoesOn(t *testing.T) {
 	for range 1500 {
 		b := payload(t, validEvent(t, "1.00"))
 		b = append(b[:len(b)-1], []byte(`,"pad":"`+pad+`"}`)...)
-		msgs = append(msgs, &sarama.ProducerMessage{Topic: e.topic, Key: sarama.StringEncoder("k"), Value: sarama.ByteEncoder(b)})
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: e.Topic, Key: sarama.StringEncoder("k"), Value: sarama.ByteEncoder(b)})
 	}
-	producer := bigProducer(t, e.brokers)
+	producer := bigProducer(t, e.Brokers)
 	if err := producer.SendMessages(msgs); err != nil {
 		t.Fatal(err)
 	}
 	testenv.Eventually(t, 30*time.Second, "the first event at work", func() bool { return r.runs.Load() == 1 })
 	time.Sleep(2 * time.Second) // the consumer fetches until its buffers are full
-	admin := testenv.Admin(t, e.brokers)
-	if err := admin.DeleteRecords(e.topic, map[int32]int64{0: 1500}); err != nil {
+	admin := testenv.Admin(t, e.Brokers)
+	if err := admin.DeleteRecords(e.Topic, map[int32]int64{0: 1500}); err != nil {
 		t.Fatal(err)
 	}
 	close(gate)
 	testenv.Eventually(t, 30*time.Second, "the consumer's offset out of range", func() bool { return outOfRange.Load() > 0 })
 	after := validEvent(t, "2.00")
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, after))
 	testenv.Eventually(t, 30*time.Second, "an event published after the truncation processed", func() bool {
 		var n int
-		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM pipeline_test_effect WHERE consumer_group = $1 AND event_id = $2`,
+		_ = e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pipeline_test_effect WHERE consumer_group = $1 AND event_id = $2`,
 			r.group, after.EventID()).Scan(&n)
 		return n == 1
 	})
@@ -167,21 +167,21 @@ func bigProducer(t *testing.T, brokers []string) sarama.SyncProducer {
 // every start (review finding).
 func TestAGroupOnTwoTopicsIsOneMember(t *testing.T) {
 	e := newEnv(t, 2)
-	second := testenv.Topic(t, e.brokers, 2)
+	second := testenv.Topic(t, e.Brokers, 2)
 	r := &recorder{group: uniqueGroup("two-topics")}
 	cfg := e.config(group(r))
-	cfg.Topics = append(cfg.Topics, pipeline.Topic[confirmed]{Name: second, DLQ: e.dlq, Decode: decodeConfirmed,
+	cfg.Topics = append(cfg.Topics, pipeline.Topic[confirmed]{Name: second, DLQ: e.DLQ, Decode: decodeConfirmed,
 		Groups: []pipeline.Group[confirmed]{group(r)}})
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	startPipeline(t, p)
-	for _, topic := range []string{e.topic, second} {
-		testenv.Publish(t, e.prod, topic, "k", payload(t, validEvent(t, "1.00")))
+	for _, topic := range []string{e.Topic, second} {
+		testenv.Publish(t, e.Prod, topic, "k", payload(t, validEvent(t, "1.00")))
 	}
-	testenv.Eventually(t, 30*time.Second, "an event of each topic processed", func() bool { return effects(t, e.pool, r.group) == 2 })
-	admin := testenv.Admin(t, e.brokers)
+	testenv.Eventually(t, 30*time.Second, "an event of each topic processed", func() bool { return effects(t, e.Pool, r.group) == 2 })
+	admin := testenv.Admin(t, e.Brokers)
 	groups, err := admin.DescribeConsumerGroups([]string{r.group})
 	if err != nil || len(groups) != 1 {
 		t.Fatalf("describe %s: %v", r.group, err)
@@ -215,18 +215,18 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 	cfg := e.config(m.group(r))
 	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	stop := run(t, cfg)
-	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"not": "an event"}`))
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, reused))
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, other)) // the id reused with other values
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "5.00")))
+	testenv.Publish(t, e.Prod, e.Topic, "k", []byte(`{"not": "an event"}`))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, reused))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, other)) // the id reused with other values
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "5.00")))
 	testenv.Eventually(t, 30*time.Second, "two dead letters and two events", func() bool {
-		return deadLetters.Load() == 2 && effects(t, e.pool, r.group) == 2
+		return deadLetters.Load() == 2 && effects(t, e.Pool, r.group) == 2
 	})
-	testenv.Eventually(t, 30*time.Second, "both letters on the dead-letter topic", func() bool { return testenv.MessageCount(t, e.brokers, e.dlq) == 2 })
+	testenv.Eventually(t, 30*time.Second, "both letters on the dead-letter topic", func() bool { return testenv.MessageCount(t, e.Brokers, e.DLQ) == 2 })
 	stop()
 
-	admin := testenv.Admin(t, e.brokers)
-	if err := admin.DeleteConsumerGroupOffset(r.group, e.topic, 0); err != nil {
+	admin := testenv.Admin(t, e.Brokers)
+	if err := admin.DeleteConsumerGroupOffset(r.group, e.Topic, 0); err != nil {
 		t.Fatal(err)
 	}
 	var seen pipelinetest.Outcomes
@@ -236,7 +236,7 @@ func testResetDoesNotDeadLetterTwice(t *testing.T, m handlerMode) {
 		return seen.Get(r.group, idempotency.Duplicate) == 2 && seen.Get(r.group, idempotency.PayloadMismatch) == 1
 	})
 	time.Sleep(time.Second) // a second letter would be on its way
-	if n := testenv.MessageCount(t, e.brokers, e.dlq); n != 2 || deadLetters.Load() != 2 {
+	if n := testenv.MessageCount(t, e.Brokers, e.DLQ); n != 2 || deadLetters.Load() != 2 {
 		t.Fatalf("after the reset: %d letters on the topic, %d dead-lettered; want 2 and 2", n, deadLetters.Load())
 	}
 }
@@ -289,7 +289,7 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 	}
 	var seen pipelinetest.Outcomes
 	cfg := e.config()
-	cfg.Topics = []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{g}}}
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[shipment]{Name: e.Topic, DLQ: e.DLQ, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{g}}}
 	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 	id := uuid.Must(uuid.NewV7())
@@ -299,7 +299,7 @@ func testRepublishedInAnotherForm(t *testing.T, m handlerMode) {
 		`{"occurred_at":"2026-12-02T17:08:21.123456+02:00","event_id":"%s","weight_kg":1.25e1,"parcels":[1,2],"extra":"ignored"}`,
 		`{"event_id":"%s","occurred_at":"2026-12-02T15:08:21.123456Z","weight_kg":"12.51","parcels":[1,2]}`,
 	} {
-		testenv.Publish(t, e.prod, e.topic, "k", []byte(fmt.Sprintf(form, id)))
+		testenv.Publish(t, e.Prod, e.Topic, "k", []byte(fmt.Sprintf(form, id)))
 	}
 	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
 		return seen.Get(group, idempotency.Processed)+seen.Get(group, idempotency.Duplicate)+seen.Get(group, idempotency.PayloadMismatch) == 4
@@ -344,21 +344,21 @@ func TestAReusedIDIsAMismatchWhateverTheEventType(t *testing.T) {
 	var seen pipelinetest.Outcomes
 	cfg := e.config()
 	cfg.Hooks.OnResult = seen.Record
-	cfg.Topics = []pipeline.Binding{pipeline.Topic[opaque]{Name: e.topic, DLQ: e.dlq, Decode: decodeOpaque, Groups: []pipeline.Group[opaque]{
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[opaque]{Name: e.Topic, DLQ: e.DLQ, Decode: decodeOpaque, Groups: []pipeline.Group[opaque]{
 		{Name: group, Handle: func(context.Context, pgx.Tx, opaque) error { runs.Add(1); return nil }}}}}
 	legacy := uuid.Must(uuid.NewV7())
 	legacyBytes := []byte(`{"event_id":"` + legacy.String() + `","amount":"1.00"}`)
 	raw := sha256.Sum256(legacyBytes)
-	if _, err := e.pool.Exec(context.Background(), `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, $3)`,
+	if _, err := e.Pool.Exec(context.Background(), `INSERT INTO processed_event (event_id, consumer_group, payload_sha256) VALUES ($1, $2, $3)`,
 		legacy, group, raw[:]); err != nil {
 		t.Fatal(err)
 	}
 	run(t, cfg)
 	id := uuid.Must(uuid.NewV7())
-	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"10.00"}`))
-	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"amount":"10.00", "event_id":"`+id.String()+`"}`))
-	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"99.00"}`))
-	testenv.Publish(t, e.prod, e.topic, "k", legacyBytes)
+	testenv.Publish(t, e.Prod, e.Topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"10.00"}`))
+	testenv.Publish(t, e.Prod, e.Topic, "k", []byte(`{"amount":"10.00", "event_id":"`+id.String()+`"}`))
+	testenv.Publish(t, e.Prod, e.Topic, "k", []byte(`{"event_id":"`+id.String()+`","amount":"99.00"}`))
+	testenv.Publish(t, e.Prod, e.Topic, "k", legacyBytes)
 	testenv.Eventually(t, 30*time.Second, "four deliveries decided", func() bool {
 		return seen.Get(group, idempotency.Processed)+seen.Get(group, idempotency.Duplicate)+seen.Get(group, idempotency.PayloadMismatch) == 4
 	})
@@ -385,8 +385,8 @@ func TestAStopWhileTheBrokerIsSilentIsBounded(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx) }()
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
-	testenv.Eventually(t, 30*time.Second, "the group at work", func() bool { return effects(t, e.pool, r.group) == 1 })
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the group at work", func() bool { return effects(t, e.Pool, r.group) == 1 })
 
 	testenv.DevService(t, "kafka", "pause")
 	resumed := false
@@ -394,18 +394,18 @@ func TestAStopWhileTheBrokerIsSilentIsBounded(t *testing.T) {
 		if !resumed {
 			resumed = true
 			testenv.DevService(t, "kafka", "resume")
-			testenv.WaitForKafka(t, e.brokers, time.Minute)
+			testenv.WaitForKafka(t, e.Brokers, time.Minute)
 		}
 	}
 	t.Cleanup(resume)
 	var id int64
-	if err := e.pool.QueryRow(context.Background(), `INSERT INTO once_dead_letter (topic, payload, headers) VALUES ($1, 'x', '[]') RETURNING id`, e.dlq).Scan(&id); err != nil {
+	if err := e.Pool.QueryRow(context.Background(), `INSERT INTO once_dead_letter (topic, payload, headers) VALUES ($1, 'x', '[]') RETURNING id`, e.DLQ).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), `DELETE FROM once_dead_letter WHERE id = $1`, id) })
+	t.Cleanup(func() { _, _ = e.Pool.Exec(context.Background(), `DELETE FROM once_dead_letter WHERE id = $1`, id) })
 	testenv.Eventually(t, 30*time.Second, "the drainer sending the letter to the silent broker", func() bool {
 		var attempts int
-		_ = e.pool.QueryRow(context.Background(), `SELECT attempts FROM once_dead_letter WHERE id = $1`, id).Scan(&attempts)
+		_ = e.Pool.QueryRow(context.Background(), `SELECT attempts FROM once_dead_letter WHERE id = $1`, id).Scan(&attempts)
 		return attempts > 0
 	})
 	stopped := time.Now()
@@ -420,7 +420,7 @@ func TestAStopWhileTheBrokerIsSilentIsBounded(t *testing.T) {
 	t.Logf("stopped %s after the stop, the broker silent", took.Round(time.Millisecond))
 	resume()
 	var parked int
-	if err := e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE id = $1`, id).Scan(&parked); err != nil || parked != 1 {
+	if err := e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE id = $1`, id).Scan(&parked); err != nil || parked != 1 {
 		t.Fatalf("the letter is gone (%v): a send abandoned at the stop must leave it parked", err)
 	}
 }

@@ -53,13 +53,7 @@ func (r *recorder) handle(ctx context.Context, tx pgx.Tx, ev pipeline.Event) err
 	return err
 }
 
-type env struct {
-	pool    *pgxpool.Pool
-	brokers []string
-	topic   string
-	dlq     string
-	prod    sarama.SyncProducer
-}
+type env struct{ *pipelinetest.Env }
 
 func newEnv(t *testing.T, partitions int32) *env {
 	t.Helper()
@@ -67,14 +61,7 @@ func newEnv(t *testing.T, partitions int32) *env {
 	if _, err := pool.Exec(context.Background(), createEffects); err != nil {
 		t.Fatal(err)
 	}
-	brokers := testenv.Brokers(t)
-	return &env{
-		pool:    pool,
-		brokers: brokers,
-		topic:   testenv.Topic(t, brokers, partitions),
-		dlq:     testenv.Topic(t, brokers, 1),
-		prod:    testenv.Producer(t, brokers),
-	}
+	return &env{pipelinetest.NewEnv(t, pool, partitions)}
 }
 
 // group is a consumer group of the order-confirmed test topic run by r.
@@ -119,14 +106,14 @@ func (m handlerMode) group(r *recorder) pipeline.Group[confirmed] {
 }
 
 func (e *env) topicOf(groups ...pipeline.Group[confirmed]) pipeline.Topic[confirmed] {
-	return pipeline.Topic[confirmed]{Name: e.topic, DLQ: e.dlq, Decode: decodeConfirmed, Groups: groups}
+	return pipeline.Topic[confirmed]{Name: e.Topic, DLQ: e.DLQ, Decode: decodeConfirmed, Groups: groups}
 }
 
 func (e *env) config(groups ...pipeline.Group[confirmed]) pipeline.Config {
 	return pipeline.Config{
-		Brokers: e.brokers,
+		Brokers: e.Brokers,
 		Topics:  []pipeline.Binding{e.topicOf(groups...)},
-		DB:      e.pool,
+		DB:      e.Pool,
 		Logger:  quietLogger(),
 	}
 }
@@ -182,15 +169,15 @@ func testSameEventFiveTimes(t *testing.T, m handlerMode) {
 
 	ev := validEvent(t, "12.34")
 	for i := range 5 {
-		testenv.Publish(t, e.prod, e.topic, fmt.Sprintf("key-%d", i), payload(t, ev))
+		testenv.Publish(t, e.Prod, e.Topic, fmt.Sprintf("key-%d", i), payload(t, ev))
 	}
 	for _, r := range []*recorder{billing, analytics} {
 		testenv.Eventually(t, 60*time.Second, r.group+" saw all 5 deliveries", func() bool {
 			return seen.Get(r.group, idempotency.Processed)+seen.Get(r.group, idempotency.Duplicate) == 5
 		})
-		if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 || seen.Get(r.group, idempotency.Duplicate) != 4 {
+		if r.runs.Load() != 1 || effects(t, e.Pool, r.group) != 1 || seen.Get(r.group, idempotency.Duplicate) != 4 {
 			t.Fatalf("%s: %d runs, %d effects, %d duplicates; want 1, 1, 4",
-				r.group, r.runs.Load(), effects(t, e.pool, r.group), seen.Get(r.group, idempotency.Duplicate))
+				r.group, r.runs.Load(), effects(t, e.Pool, r.group), seen.Get(r.group, idempotency.Duplicate))
 		}
 	}
 }
@@ -231,19 +218,19 @@ func testCrashBetweenCommits(t *testing.T, m handlerMode, mode pipeline.CommitMo
 	cfg.CommitMode = mode
 	cfg.CloseTimeout = time.Second
 	stop := run(t, cfg)
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "5.00")))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "5.00")))
 	select {
 	case <-committed:
 	case <-time.After(60 * time.Second):
 		t.Fatal("the event was not processed")
 	}
-	if effects(t, e.pool, r.group) != 1 {
+	if effects(t, e.Pool, r.group) != 1 {
 		t.Fatal("the effect is not committed: the crash is not staged between the two commits")
 	}
 	stop()
 	close(crashed)
-	admin := testenv.Admin(t, e.brokers)
-	if off := testenv.CommittedOffsets(t, admin, r.group, e.topic)[0]; off > 0 {
+	admin := testenv.Admin(t, e.Brokers)
+	if off := testenv.CommittedOffsets(t, admin, r.group, e.Topic)[0]; off > 0 {
 		t.Fatalf("offset %d was committed although the message was never acknowledged", off)
 	}
 
@@ -254,10 +241,10 @@ func testCrashBetweenCommits(t *testing.T, m handlerMode, mode pipeline.CommitMo
 		return seen.Get(r.group, idempotency.Duplicate) == 1
 	})
 	stop() // a clean stop commits what was acknowledged in either mode
-	if r.runs.Load() != 1 || effects(t, e.pool, r.group) != 1 {
-		t.Fatalf("%d runs, %d effects; want 1 each", r.runs.Load(), effects(t, e.pool, r.group))
+	if r.runs.Load() != 1 || effects(t, e.Pool, r.group) != 1 {
+		t.Fatalf("%d runs, %d effects; want 1 each", r.runs.Load(), effects(t, e.Pool, r.group))
 	}
-	if off := testenv.CommittedOffsets(t, admin, r.group, e.topic)[0]; off != 1 {
+	if off := testenv.CommittedOffsets(t, admin, r.group, e.Topic)[0]; off != 1 {
 		t.Fatalf("committed offset %d after restart, want 1", off)
 	}
 }
@@ -296,9 +283,9 @@ func testPoisonAndHeld(t *testing.T, m handlerMode) {
 	run(t, cfg)
 
 	first := validEvent(t, "1.00")
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, first))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, first))
 	for range 2 {
-		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+		testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
 	}
 	reused, err := newConfirmed(first.EventID(), first.OccurredAt(), first.OrderID(), first.CustomerID(), decimal.RequireFromString("100.00"))
 	if err != nil {
@@ -314,19 +301,19 @@ func testPoisonAndHeld(t *testing.T, m handlerMode) {
 		fmt.Sprintf(`{"event_id":%q,"event_type":"order.confirmed.v2"}`, uuid.Must(uuid.NewV7())): `field event_type: want the string "order.confirmed.v1", got a string "order.confirmed.v2"`,
 	}
 	for p := range poison {
-		testenv.Publish(t, e.prod, e.topic, "k", []byte(p))
+		testenv.Publish(t, e.Prod, e.Topic, "k", []byte(p))
 	}
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, broken))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, broken))
 	after := validEvent(t, "1.00")
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, after))
 	for range 2 {
-		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+		testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
 	}
 
-	testenv.Eventually(t, 60*time.Second, "7 valid events processed", func() bool { return effects(t, e.pool, r.group) == 7 })
+	testenv.Eventually(t, 60*time.Second, "7 valid events processed", func() bool { return effects(t, e.Pool, r.group) == 7 })
 	testenv.Eventually(t, 30*time.Second, "5 dead letters", func() bool { return deadLetters.Load() == 5 })
 
-	reasons := readDLQ(t, e.brokers, e.dlq, 5)
+	reasons := readDLQ(t, e.Brokers, e.DLQ, 5)
 	for p, want := range poison {
 		if got, ok := reasons[p]; !ok || !contains(got, want) {
 			t.Errorf("DLQ reason for %q = %q; want it to mention %q", p, got, want)
@@ -391,11 +378,11 @@ func TestNewGroupSeesEarlierEvents(t *testing.T) { eachMode(t, testNewGroupSeesE
 func testNewGroupSeesEarlierEvents(t *testing.T, m handlerMode) {
 	e := newEnv(t, 3)
 	for i := range 4 {
-		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, validEvent(t, "2.50")))
+		testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(i), payload(t, validEvent(t, "2.50")))
 	}
 	r := &recorder{group: uniqueGroup("late")}
 	run(t, e.config(m.group(r)))
-	testenv.Eventually(t, 60*time.Second, "4 earlier events processed", func() bool { return effects(t, e.pool, r.group) == 4 })
+	testenv.Eventually(t, 60*time.Second, "4 earlier events processed", func() bool { return effects(t, e.Pool, r.group) == 4 })
 }
 
 // Validate reports every bad setting at once, each named.
@@ -430,19 +417,19 @@ func testOutage(t *testing.T, m handlerMode) {
 	e := newEnv(t, 4)
 	name := uniqueGroup("analytics")
 	r := &recorder{group: name}
-	stuckPool, proxy := testenv.ProxiedPostgres(t, e.pool)
+	stuckPool, proxy := testenv.ProxiedPostgres(t, e.Pool)
 	proxy.Down(true)
 	cfgA := e.config(m.group(r))
 	cfgA.DB = stuckPool
 	stopA := run(t, cfgA)
 	for i := range 24 {
-		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, validEvent(t, "3.00")))
+		testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(i), payload(t, validEvent(t, "3.00")))
 	}
 	time.Sleep(2 * time.Second) // A now holds messages it cannot process
 
 	run(t, e.config(m.group(r)))
 	joined := time.Now()
-	testenv.Eventually(t, 20*time.Second, "the new instance processing its share", func() bool { return effects(t, e.pool, name) > 0 })
+	testenv.Eventually(t, 20*time.Second, "the new instance processing its share", func() bool { return effects(t, e.Pool, name) > 0 })
 	t.Logf("rebalance with a consumer stuck in an outage: first event processed %s after the second instance joined", time.Since(joined).Round(time.Millisecond))
 
 	stopping := time.Now()
@@ -454,7 +441,7 @@ func testOutage(t *testing.T, m handlerMode) {
 		t.Fatal("a consumer waiting for its database did not stop within 15s")
 	}
 	t.Logf("stopped a consumer waiting for its database in %s", time.Since(stopping).Round(time.Millisecond))
-	testenv.Eventually(t, 60*time.Second, "all 24 events processed", func() bool { return effects(t, e.pool, name) == 24 })
+	testenv.Eventually(t, 60*time.Second, "all 24 events processed", func() bool { return effects(t, e.Pool, name) == 24 })
 	if n := r.runs.Load(); n != 24 {
 		t.Fatalf("handler ran %d times, want 24", n)
 	}

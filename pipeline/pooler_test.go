@@ -36,7 +36,7 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 	e := newEnv(t, 2)
 	pool := w.Pool(t)
 	names := schema.Config{Schema: "pooler_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")}
-	t.Cleanup(func() { _, _ = e.pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+names.Schema+" CASCADE") })
+	t.Cleanup(func() { _, _ = e.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+names.Schema+" CASCADE") })
 	if _, err := schema.Migrate(ctx, pool, names); err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
@@ -44,23 +44,23 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 		t.Fatalf("migrate again: %v", err)
 	}
 	effects := names.Schema + ".effect"
-	if _, err := e.pool.Exec(ctx, `CREATE TABLE `+effects+` (event_id uuid, grp text, weight numeric, at timestamptz)`); err != nil {
+	if _, err := e.Pool.Exec(ctx, `CREATE TABLE `+effects+` (event_id uuid, grp text, weight numeric, at timestamptz)`); err != nil {
 		t.Fatal(err)
 	}
 	box, err := outbox.New(names, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	followUps := testenv.Topic(t, e.brokers, 1)
+	followUps := testenv.Topic(t, e.Brokers, 1)
 	write := func(ctx context.Context, tx pgx.Tx, grp string, s shipment) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, grp, weight, at) VALUES ($1, $2, $3, $4)`, s.ID, grp, s.Weight, s.At)
 		return err
 	}
 	perEvent, batched := uniqueGroup("per-event"), uniqueGroup("batched")
 	var deadLetters atomic.Int64
-	cfg := pipeline.Config{Brokers: e.brokers, DB: pool, Tables: names, Logger: quietLogger(), StatementTimeout: 10 * time.Second,
+	cfg := pipeline.Config{Brokers: e.Brokers, DB: pool, Tables: names, Logger: quietLogger(), StatementTimeout: 10 * time.Second,
 		Hooks: pipeline.Hooks{OnDeadLetter: func(pipeline.DeadLetter) { deadLetters.Add(1) }},
-		Topics: []pipeline.Binding{pipeline.Topic[shipment]{Name: e.topic, DLQ: e.dlq, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{
+		Topics: []pipeline.Binding{pipeline.Topic[shipment]{Name: e.Topic, DLQ: e.DLQ, Decode: decodeShipment, Groups: []pipeline.Group[shipment]{
 			{Name: perEvent, Handle: func(ctx context.Context, tx pgx.Tx, s shipment) error {
 				if err := write(ctx, tx, perEvent, s); err != nil {
 					return err
@@ -85,14 +85,14 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 		if i == 0 {
 			first = b
 		}
-		testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), b)
+		testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(i), b)
 	}
-	testenv.Publish(t, e.prod, e.topic, "0", first) // a duplicate
-	testenv.Publish(t, e.prod, e.topic, "0", []byte(strings.Replace(string(first), `.25"`, `.75"`, 1)))
-	testenv.Publish(t, e.prod, e.topic, "p", []byte(`{"event_id": 17}`))
+	testenv.Publish(t, e.Prod, e.Topic, "0", first) // a duplicate
+	testenv.Publish(t, e.Prod, e.Topic, "0", []byte(strings.Replace(string(first), `.25"`, `.75"`, 1)))
+	testenv.Publish(t, e.Prod, e.Topic, "p", []byte(`{"event_id": 17}`))
 	count := func(q string, args ...any) int {
 		var n int
-		if err := e.pool.QueryRow(ctx, q, args...).Scan(&n); err != nil {
+		if err := e.Pool.QueryRow(ctx, q, args...).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n
@@ -102,7 +102,7 @@ func testEveryStatement(t *testing.T, w testenv.Where) {
 			count(`SELECT count(*) FROM `+effects+` WHERE grp = $1`, batched) == events && deadLetters.Load() == 4
 	})
 	testenv.Eventually(t, 60*time.Second, "the follow-ups forwarded and the dead letters drained", func() bool {
-		return testenv.MessageCount(t, e.brokers, followUps) == events && testenv.MessageCount(t, e.brokers, e.dlq) == 4
+		return testenv.MessageCount(t, e.Brokers, followUps) == events && testenv.MessageCount(t, e.Brokers, e.DLQ) == 4
 	})
 	if n := count(`SELECT count(DISTINCT (event_id, grp)) FROM ` + effects); n != 2*events {
 		t.Fatalf("%d distinct effects, want %d", n, 2*events)

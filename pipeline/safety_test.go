@@ -3,7 +3,6 @@ package pipeline_test
 import (
 	"context"
 	"errors"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,24 +20,12 @@ import (
 	"github.com/once-dev/once/pipeline"
 )
 
-// startRouter runs a team's own router, with the pipeline's handlers, until
-// the test ends or stop is called.
+// startPipeline runs p until the test ends or stop is called; its error is
+// the test's to judge.
 func startPipeline(t *testing.T, p *pipeline.Pipeline) (stop func()) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	select {
-	case <-p.Running():
-	case err := <-done:
-		t.Fatalf("pipeline stopped at start: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("pipeline did not start in 30s")
-	}
-	var once sync.Once
-	stop = func() { once.Do(func() { cancel(); <-done }) }
-	t.Cleanup(stop)
-	return stop
+	stopped := pipelinetest.Start(t, p)
+	return func() { _ = stopped() }
 }
 
 // Router-level middleware a team adds after New still runs outside the
@@ -79,8 +66,8 @@ func TestRouterMiddlewareAddedAfterNewStaysOutsideTheClaim(t *testing.T) {
 		}
 	}, poison)
 	startPipeline(t, p)
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
-	testenv.Eventually(t, 30*time.Second, "the event processed", func() bool { return effects(t, e.pool, r.group) == 1 })
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the event processed", func() bool { return effects(t, e.Pool, r.group) == 1 })
 	if sawTx.Load() != 0 || calls.Load() != 1 {
 		t.Fatalf("the team's router middleware ran %d times, %d of them inside the claim's transaction; want once, outside", calls.Load(), sawTx.Load())
 	}
@@ -97,7 +84,7 @@ func (nopPublisher) Close() error                              { return nil }
 // exactly once.
 func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 	e := newEnv(t, 1)
-	e.dlq = e.topic + ".later-dlq" // not created yet, and the broker creates nothing by itself
+	e.DLQ = e.Topic + ".later-dlq" // not created yet, and the broker creates nothing by itself
 	declined := errors.New("card declined")
 	var rejectedID uuid.UUID
 	r := &recorder{group: uniqueGroup("rejects"), fail: func(ev confirmed) error {
@@ -122,30 +109,30 @@ func TestRejectionsDeadLetterSurvivesAMissingDeadLetterTopic(t *testing.T) {
 	run(t, cfg)
 	ev := validEvent(t, "9.00")
 	rejectedID = ev.EventID()
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, ev))
 	after := validEvent(t, "1.00")
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, after))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, after))
 	testenv.Eventually(t, 30*time.Second, "the rejection committed and the partition moving on", func() bool {
-		return effects(t, e.pool, r.group) == 2 && deadLettered.Load() == 1
+		return effects(t, e.Pool, r.group) == 2 && deadLettered.Load() == 1
 	})
 	var parked int
 	testenv.Eventually(t, 10*time.Second, "the letter parked, waiting for its topic", func() bool {
-		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1 AND attempts > 0`, e.dlq).Scan(&parked)
+		_ = e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1 AND attempts > 0`, e.DLQ).Scan(&parked)
 		return parked == 1
 	})
-	if err := testenv.Admin(t, e.brokers).CreateTopic(e.dlq, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+	if err := testenv.Admin(t, e.Brokers).CreateTopic(e.DLQ, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
 		t.Fatal(err)
 	}
-	reasons := readDLQ(t, e.brokers, e.dlq, 1)
+	reasons := readDLQ(t, e.Brokers, e.DLQ, 1)
 	if got := reasons[string(payload(t, ev))]; !contains(got, "card declined") {
 		t.Fatalf("dead letter reason %q, want the rejection", got)
 	}
 	testenv.Eventually(t, 30*time.Second, "the letter gone from the table", func() bool {
-		_ = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1`, e.dlq).Scan(&parked)
+		_ = e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM once_dead_letter WHERE topic = $1`, e.DLQ).Scan(&parked)
 		return parked == 0
 	})
 	time.Sleep(time.Second)
-	if n := testenv.MessageCount(t, e.brokers, e.dlq); n != 1 {
+	if n := testenv.MessageCount(t, e.Brokers, e.DLQ); n != 1 {
 		t.Fatalf("%d dead letters in the topic, want exactly 1", n)
 	}
 }
@@ -177,7 +164,7 @@ func TestShutdownOfATeamsRouterDeadLettersNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := startPipeline(t, p)
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
 	select {
 	case <-started:
 	case <-time.After(30 * time.Second):
@@ -187,7 +174,7 @@ func TestShutdownOfATeamsRouterDeadLettersNothing(t *testing.T) {
 	if deadLetters.Load() != 0 {
 		t.Fatalf("%d valid events dead-lettered at shutdown", deadLetters.Load())
 	}
-	if off := testenv.CommittedOffsets(t, testenv.Admin(t, e.brokers), g.Name, e.topic)[0]; off > 0 {
+	if off := testenv.CommittedOffsets(t, testenv.Admin(t, e.Brokers), g.Name, e.Topic)[0]; off > 0 {
 		t.Fatalf("offset %d committed for a message that was never processed", off)
 	}
 }
@@ -212,9 +199,9 @@ func TestMessagesReturnedOutsideTheClaimDoNotStickThePartition(t *testing.T) {
 	cfg.Hooks.OnResult = seen.Record
 	run(t, cfg)
 	for range 2 {
-		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
+		testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
 	}
-	testenv.Eventually(t, 30*time.Second, "both events processed", func() bool { return effects(t, e.pool, r.group) == 2 })
+	testenv.Eventually(t, 30*time.Second, "both events processed", func() bool { return effects(t, e.Pool, r.group) == 2 })
 	time.Sleep(time.Second)
 	if d := seen.Get(r.group, idempotency.Duplicate); d != 0 {
 		t.Fatalf("%d duplicates: the first message was redelivered", d)
@@ -294,8 +281,8 @@ func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
 		cfg := e.config(g)
 		cfg.HoldBackoff = 10 * time.Millisecond
 		run(t, cfg)
-		testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
-		testenv.Eventually(t, 30*time.Second, "the event processed after its timed-out attempt", func() bool { return effects(t, e.pool, r.group) == 1 })
+		testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
+		testenv.Eventually(t, 30*time.Second, "the event processed after its timed-out attempt", func() bool { return effects(t, e.Pool, r.group) == 1 })
 		if slow.Load() {
 			t.Fatal("no attempt outlasted the team's timeout: the fault did not happen")
 		}
@@ -308,10 +295,10 @@ func TestATimeoutInObserveDoesNotHoldTheMessageForever(t *testing.T) {
 // here: permissions need the secured broker.
 func TestCheckAccessStoppedMidwayKeepsWhatItFound(t *testing.T) {
 	e := newEnv(t, 1)
-	missing := e.topic + ".missing"
+	missing := e.Topic + ".missing"
 	r := &recorder{group: uniqueGroup("access")}
 	cfg := e.config()
-	cfg.Topics = []pipeline.Binding{pipeline.Topic[confirmed]{Name: missing, DLQ: e.dlq, Decode: decodeConfirmed, Groups: []pipeline.Group[confirmed]{group(r)}}}
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[confirmed]{Name: missing, DLQ: e.DLQ, Decode: decodeConfirmed, Groups: []pipeline.Group[confirmed]{group(r)}}}
 	cfg.CloseTimeout = 20 * time.Second
 	p, err := pipeline.New(cfg)
 	if err != nil {
@@ -349,10 +336,10 @@ func TestAMessageWhoseDeadLetterCannotBeWrittenShowsAsHeld(t *testing.T) {
 	fn := "fail_letters_" + uuid.NewString()[:8]
 	ctx := context.Background()
 	// The staged fault: writing this test's letters fails, and counts.
-	if _, err := e.pool.Exec(ctx, `CREATE SEQUENCE `+fn+`_tries;
+	if _, err := e.Pool.Exec(ctx, `CREATE SEQUENCE `+fn+`_tries;
 CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  IF NEW.topic = '`+e.dlq+`' THEN
+  IF NEW.topic = '`+e.DLQ+`' THEN
     PERFORM nextval('`+fn+`_tries');
     RAISE EXCEPTION 'staged: the dead letter cannot be written';
   END IF;
@@ -362,11 +349,11 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 		t.Fatal(err)
 	}
 	dropTrigger := func() {
-		_, _ = e.pool.Exec(ctx, `DROP TRIGGER IF EXISTS `+fn+` ON once_dead_letter`)
+		_, _ = e.Pool.Exec(ctx, `DROP TRIGGER IF EXISTS `+fn+` ON once_dead_letter`)
 	}
 	t.Cleanup(func() {
 		dropTrigger()
-		_, _ = e.pool.Exec(ctx, `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
+		_, _ = e.Pool.Exec(ctx, `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
 	})
 	r := &recorder{group: uniqueGroup("unparkable")}
 	var deadLetters atomic.Int64
@@ -388,10 +375,10 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 		}
 		return n
 	}
-	testenv.Publish(t, e.prod, e.topic, "k", []byte(`{"event_id": "broken`))
+	testenv.Publish(t, e.Prod, e.Topic, "k", []byte(`{"event_id": "broken`))
 	tries := func() int64 {
 		var n int64
-		_ = e.pool.QueryRow(ctx, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM `+fn+`_tries`).Scan(&n)
+		_ = e.Pool.QueryRow(ctx, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM `+fn+`_tries`).Scan(&n)
 		return n
 	}
 	testenv.Eventually(t, 30*time.Second, "the dead letter's write failing twice", func() bool { return tries() >= 2 })
@@ -419,6 +406,6 @@ func TestASecondRunLeavesTheFirstRunning(t *testing.T) {
 	if err := p.Run(context.Background()); err == nil || !contains(err.Error(), "a second Run") {
 		t.Fatalf("second Run: %v; want the pipeline's refusal", err)
 	}
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, validEvent(t, "1.00")))
-	testenv.Eventually(t, 30*time.Second, "the first Run still processing", func() bool { return effects(t, e.pool, r.group) == 1 })
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the first Run still processing", func() bool { return effects(t, e.Pool, r.group) == 1 })
 }

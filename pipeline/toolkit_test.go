@@ -87,7 +87,7 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	ctx := context.Background()
 	other := testenv.OtherPostgres(t, "once_test_other")
 	names := schema.Config{Schema: "once_lib", ClaimTable: "claims"}
-	for _, db := range []*pgxpool.Pool{e.pool, other} {
+	for _, db := range []*pgxpool.Pool{e.Pool, other} {
 		if _, err := schema.Migrate(ctx, db, names); err != nil {
 			t.Fatal(err)
 		}
@@ -95,8 +95,8 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	pingTopic := testenv.Topic(t, e.brokers, 2)
-	pingDLQ := testenv.Topic(t, e.brokers, 1)
+	pingTopic := testenv.Topic(t, e.Brokers, 2)
+	pingDLQ := testenv.Topic(t, e.Brokers, 1)
 
 	orders := &recorder{group: uniqueGroup("orders")}
 	var pingRuns atomic.Int64
@@ -123,14 +123,14 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	router.AddMiddleware(routerLevel.middleware)
 	var seen pipelinetest.Outcomes
 	p, err := pipeline.New(pipeline.Config{
-		Brokers: e.brokers,
-		DB:      e.pool,
+		Brokers: e.Brokers,
+		DB:      e.Pool,
 		Router:  router,
 		Tables:  names,
 		Logger:  quietLogger(),
 		Hooks:   pipeline.Hooks{OnResult: seen.Record},
 		Topics: []pipeline.Binding{
-			pipeline.Topic[confirmed]{Name: e.topic, DLQ: e.dlq, Decode: decodeConfirmed,
+			pipeline.Topic[confirmed]{Name: e.Topic, DLQ: e.DLQ, Decode: decodeConfirmed,
 				Groups: []pipeline.Group[confirmed]{group(orders)},
 				Extra:  pipeline.Extra{BeforeClaim: []message.HandlerMiddleware{ordersBeforeClaim.middleware}}},
 			pipeline.Topic[ping]{Name: pingTopic, DLQ: pingDLQ, Decode: decodePing,
@@ -151,13 +151,13 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	for i := range 4 {
 		ev := validEvent(t, "3.00")
 		for range 2 { // each delivered twice
-			testenv.Publish(t, e.prod, e.topic, fmt.Sprint(i), payload(t, ev))
+			testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(i), payload(t, ev))
 		}
 	}
 	for i := range 3 {
 		b, _ := json.Marshal(ping{ID: uuid.Must(uuid.NewV7()), N: i + 1})
 		for range 2 {
-			testenv.Publish(t, e.prod, pingTopic, fmt.Sprint(i), b)
+			testenv.Publish(t, e.Prod, pingTopic, fmt.Sprint(i), b)
 		}
 	}
 	testenv.Eventually(t, 60*time.Second, "every delivery of both topics handled", func() bool {
@@ -167,8 +167,8 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 	if orders.runs.Load() != 4 || pingRuns.Load() != 3 {
 		t.Fatalf("handlers ran %d and %d times; want 4 and 3", orders.runs.Load(), pingRuns.Load())
 	}
-	if claimsIn(t, e.pool, "once_lib.claims", orders.group) != 4 || claimsIn(t, other, "once_lib.claims", pingGroup) != 3 ||
-		claimsIn(t, e.pool, "once_lib.claims", pingGroup) != 0 {
+	if claimsIn(t, e.Pool, "once_lib.claims", orders.group) != 4 || claimsIn(t, other, "once_lib.claims", pingGroup) != 3 ||
+		claimsIn(t, e.Pool, "once_lib.claims", pingGroup) != 0 {
 		t.Fatal("claims are not in the claim table of each group's own database")
 	}
 	var pings int
@@ -185,8 +185,8 @@ func TestTwoTopicsInOneRouterWithPerTopicMiddleware(t *testing.T) {
 		{"pings Observe", &pingsObserve, 0, 6},
 		{"pings InTx (first deliveries only)", &pingsInTx, 0, 3},
 	} {
-		if c.c.get(e.topic) != c.orders || c.c.get(pingTopic) != c.ping {
-			t.Errorf("%s middleware saw %d orders and %d pings; want %d and %d", c.name, c.c.get(e.topic), c.c.get(pingTopic), c.orders, c.ping)
+		if c.c.get(e.Topic) != c.orders || c.c.get(pingTopic) != c.ping {
+			t.Errorf("%s middleware saw %d orders and %d pings; want %d and %d", c.name, c.c.get(e.Topic), c.c.get(pingTopic), c.orders, c.ping)
 		}
 	}
 	if !inTxSawTx.Load() {
@@ -222,10 +222,10 @@ func TestReturnedMessagesAreRefused(t *testing.T) {
 	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
 	run(t, cfg)
 	ev := validEvent(t, "1.00")
-	testenv.Publish(t, e.prod, e.topic, "k", payload(t, ev))
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, ev))
 	testenv.Eventually(t, 60*time.Second, "the returned message refused three times", func() bool { return refused.Load() >= 3 })
-	if effects(t, e.pool, r.group) != 0 || deadLetters.Load() != 0 || r.runs.Load() < 3 {
+	if effects(t, e.Pool, r.group) != 0 || deadLetters.Load() != 0 || r.runs.Load() < 3 {
 		t.Fatalf("%d effects, %d dead letters, %d runs; want nothing committed, nothing dead-lettered, the handler run each time",
-			effects(t, e.pool, r.group), deadLetters.Load(), r.runs.Load())
+			effects(t, e.Pool, r.group), deadLetters.Load(), r.runs.Load())
 	}
 }

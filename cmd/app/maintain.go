@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/once-dev/once/handlers/billing"
+	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/retention"
 )
 
@@ -40,10 +42,11 @@ func (r *retentionSettings) config(d deps) retention.Config {
 }
 
 type maintainCmd struct {
-	DB             dbSettings        `embed:""`
-	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them; each is maintained too."`
-	Retention      retentionSettings `embed:""`
-	SetRetention   bool              `name:"set-retention" help:"Record --dedup-retention as the claim tables' retention, replacing the one recorded; restart every serve with it afterwards."`
+	DB              dbSettings        `embed:""`
+	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them; each is maintained too."`
+	Retention       retentionSettings `embed:""`
+	SetRetention    bool              `name:"set-retention" help:"Record --dedup-retention as the claim tables' retention, replacing the one recorded; restart every serve with it afterwards."`
+	OutboxRetention time.Duration     `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted, as serve does."`
 }
 
 func (m *maintainCmd) Run(ctx context.Context, d deps) error {
@@ -82,6 +85,21 @@ func (m *maintainCmd) Run(ctx context.Context, d deps) error {
 		}
 		fmt.Fprintf(d.stdout, "  created %d partitions %v\n  dropped %d partitions %v\n  deleted %d expired claims\n  skipped %v\n",
 			len(rep.Created), rep.Created, len(rep.Dropped), rep.Dropped, rep.Deleted, rep.Skipped)
+		// What serve prunes beside retention, for a serve that runs no
+		// maintenance of its own.
+		box, err := outbox.New(cfg.Tables, d.log)
+		if err != nil {
+			return err
+		}
+		forwarded, err := box.Prune(ctx, db, m.OutboxRetention, 5000)
+		if err != nil {
+			return fmt.Errorf("database %s: %w", db.Config().ConnConfig.Database, err)
+		}
+		intents, err := billing.PruneIntents(ctx, db, cfg.Retention)
+		if err != nil {
+			return fmt.Errorf("database %s: %w", db.Config().ConnConfig.Database, err)
+		}
+		fmt.Fprintf(d.stdout, "  pruned %d forwarded outbox rows, %d settled charge intents\n", forwarded, intents)
 	}
 	return nil
 }

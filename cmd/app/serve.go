@@ -192,7 +192,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 		Service: once.Config{
 			Brokers: s.Kafka.Brokers, KafkaVersion: s.Kafka.KafkaVersion, Security: s.Kafka.security, KafkaStartTimeout: orNone(s.KafkaWait),
 			TopicPartitions: s.Kafka.Partitions, TopicReplication: s.Kafka.ReplicationFactor,
-			DatabaseURL: s.DB.DatabaseURL, GroupDatabases: groupDBs, MaxConns: s.DB.MaxConns, CheckOnly: !s.Migrate,
+			DatabaseURL: s.DB.DatabaseURL, GroupDatabases: groupDBs, MaxConns: s.DB.MaxConns, ConnectTimeout: s.DB.ConnectTimeout, CheckOnly: !s.Migrate,
 			Retention: s.Retention.Retention, RetentionMode: retention.Mode(s.Retention.Mode), MaintenanceInterval: orNone(s.MaintenanceInterval),
 			MaxClockSkew: s.MaxClockSkew, OutboxRetention: s.OutboxRetention,
 			CommitMode: pipeline.CommitMode(s.CommitMode), CommitInterval: s.CommitInt, HoldMaxBackoff: s.HoldMax,

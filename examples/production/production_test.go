@@ -16,6 +16,7 @@ import (
 	"github.com/once-dev/once"
 	"github.com/once-dev/once/examples/production"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/oncetest"
 )
 
 // The production example against the real services: every dispatch and
@@ -38,22 +39,7 @@ func TestTheProductionExample(t *testing.T) {
 	if err := production.Tables(ctx, svc.DB("")); err != nil {
 		t.Fatal(err)
 	}
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- svc.Run(runCtx) }()
-	t.Cleanup(func() {
-		stop()
-		if err := <-done; err != nil {
-			t.Errorf("Run: %v", err)
-		}
-	})
-	select {
-	case <-svc.Pipeline().Running():
-	case err := <-done:
-		t.Fatalf("the service stopped at start-up: %v", err)
-	case <-time.After(60 * time.Second):
-		t.Fatal("the service did not start within 60s")
-	}
+	oncetest.Run(t, svc)
 
 	producer := testenv.Producer(t, brokers)
 	send := func(topic string, key int64, v any) {

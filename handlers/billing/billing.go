@@ -242,8 +242,13 @@ func (h Handler) intend(ctx context.Context, ev orderevents.Confirmed) (string, 
 }
 
 // PruneIntents deletes charge intents older than olderThan whose payment is
-// recorded, and returns how many.
+// recorded, and returns how many. A database without billing's tables has
+// none: 0, no error.
 func PruneIntents(ctx context.Context, db DB, olderThan time.Duration) (int64, error) {
+	var present bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass('billing.charge_intents') IS NOT NULL`).Scan(&present); err != nil || !present {
+		return 0, err
+	}
 	tag, err := db.Exec(ctx, pruneIntentsSQL, olderThan.Seconds())
 	if err != nil {
 		return 0, fmt.Errorf("billing: prune charge intents: %w", err)

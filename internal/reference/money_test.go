@@ -59,13 +59,13 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 	client, requests := providerFor(t, e, payment.Faults{ResetAfterChargeRate: 1}, payment.ClientConfig{MaxAttempts: 1})
 	group := pipelinetest.UniqueGroup("billing")
 	var seen pipelinetest.Outcomes
-	cfg := e.config(pipeline.Group[orderevents.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed})
+	cfg := e.config(pipeline.Group[orderevents.Confirmed]{Name: group, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.Pool}.OnConfirmed})
 	cfg.HoldBackoff = 10 * time.Millisecond
 	cfg.Hooks.OnResult = seen.Record
 	pipelinetest.Run(t, cfg)
 
 	ev := validEvent(t, "49.90")
-	testenv.Publish(t, e.prod, e.topic, fmt.Sprint(ev.OrderID()), payload(t, ev))
+	testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(ev.OrderID()), payload(t, ev))
 	testenv.Eventually(t, 60*time.Second, "the event processed", func() bool { return seen.Get(group, idempotency.Processed) == 1 })
 
 	if f := seen.Get(group, idempotency.Failed); f != 1 {
@@ -82,7 +82,7 @@ func TestReplyThenResetChargesOnce(t *testing.T) {
 		t.Fatalf("ledger %+v; want exactly one charge keyed by the event id", l)
 	}
 	var status string
-	if err := e.pool.QueryRow(context.Background(), `SELECT status FROM billing.payments WHERE event_id = $1`, ev.EventID()).Scan(&status); err != nil || status != "charged" {
+	if err := e.Pool.QueryRow(context.Background(), `SELECT status FROM billing.payments WHERE event_id = $1`, ev.EventID()).Scan(&status); err != nil || status != "charged" {
 		t.Fatalf("billing payment %q, %v; want charged", status, err)
 	}
 }
@@ -105,7 +105,7 @@ func testThousandEvents(t *testing.T, batched bool) {
 		analyticsOf = pipeline.Group[orderevents.Confirmed]{Name: analyticsGroup, HandleBatch: analytics.Handler{}.OnConfirmedBatch}
 	}
 	cfg := e.config(
-		pipeline.Group[orderevents.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed},
+		pipeline.Group[orderevents.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.Pool}.OnConfirmed},
 		analyticsOf,
 	)
 	cfg.Hooks.OnResult = seen.Record
@@ -138,7 +138,7 @@ func testThousandEvents(t *testing.T, batched bool) {
 	pipelinetest.Run(t, cfg)
 	for round := range 2 {
 		for _, ev := range batch {
-			testenv.Publish(t, e.prod, e.topic, fmt.Sprintf("%d-%d", ev.OrderID(), round), payload(t, ev))
+			testenv.Publish(t, e.Prod, e.Topic, fmt.Sprintf("%d-%d", ev.OrderID(), round), payload(t, ev))
 		}
 	}
 	for _, g := range []string{billingGroup, analyticsGroup} {
@@ -170,7 +170,7 @@ func testThousandEvents(t *testing.T, batched bool) {
 	}
 	var revenue decimal.Decimal
 	var orders int
-	if err := e.pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
+	if err := e.Pool.QueryRow(context.Background(), `SELECT coalesce(sum(revenue), 0), coalesce(sum(order_count), 0)
 		FROM analytics.customer_daily_revenue WHERE customer_id = ANY($1)`, customers).Scan(&revenue, &orders); err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func testThousandEvents(t *testing.T, batched bool) {
 	}
 	for _, g := range []string{billingGroup, analyticsGroup} {
 		var claims int
-		if err := e.pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, g).Scan(&claims); err != nil {
+		if err := e.Pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_event WHERE consumer_group = $1`, g).Scan(&claims); err != nil {
 			t.Fatal(err)
 		}
 		if claims != events {

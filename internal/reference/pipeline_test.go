@@ -7,37 +7,27 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/reftest"
-	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pipeline"
 )
 
 // env is a topic of the reference service's order.confirmed events, its
 // dead-letter topic, and the test database with the service's tables.
-type env struct {
-	pool    *pgxpool.Pool
-	brokers []string
-	topic   string
-	dlq     string
-	prod    sarama.SyncProducer
-}
+type env struct{ *pipelinetest.Env }
 
 func newEnv(t *testing.T, partitions int32) *env {
 	t.Helper()
-	brokers := testenv.Brokers(t)
-	return &env{pool: reftest.Postgres(t), brokers: brokers, topic: testenv.Topic(t, brokers, partitions),
-		dlq: testenv.Topic(t, brokers, 1), prod: testenv.Producer(t, brokers)}
+	return &env{pipelinetest.NewEnv(t, reftest.Postgres(t), partitions)}
 }
 
 func (e *env) config(groups ...pipeline.Group[orderevents.Confirmed]) pipeline.Config {
-	return pipeline.Config{Brokers: e.brokers, DB: e.pool,
-		Topics: []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: e.topic, DLQ: e.dlq, Decode: orderevents.DecodeConfirmed, Groups: groups}},
+	return pipeline.Config{Brokers: e.Brokers, DB: e.Pool,
+		Topics: []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: e.Topic, DLQ: e.DLQ, Decode: orderevents.DecodeConfirmed, Groups: groups}},
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 }
 

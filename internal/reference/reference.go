@@ -183,6 +183,11 @@ func intentsPool(ctx context.Context, oc once.Config, group string) (*pgxpool.Po
 		cfg = c
 	}
 	cfg.MaxConns = 4
+	timeout := oc.ConnectTimeout
+	if timeout == 0 {
+		timeout = once.DefaultConnectTimeout
+	}
+	pgdb.BoundConnect(cfg, timeout)
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 

@@ -58,14 +58,14 @@ func TestTheOrdersTraceReachesThePaymentProvider(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	svc, err := orderservice.NewService(orderservice.Config{DB: e.pool, Topic: e.topic, OutboxTopic: "trace_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")})
+	svc, err := orderservice.NewService(orderservice.Config{DB: e.Pool, Topic: e.Topic, OutboxTopic: "trace_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := svc.Init(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: e.prod})
+	fw, err := svc.NewForwarder(outbox.KafkaPublisher{Producer: e.Prod})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ func TestTheOrdersTraceReachesThePaymentProvider(t *testing.T) {
 	defer cancel()
 	go func() { _ = fw.Run(ctx) }()
 	billingGroup := pipelinetest.UniqueGroup("billing")
-	pipelinetest.Run(t, e.config(pipeline.Group[orderevents.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.pool}.OnConfirmed}))
+	pipelinetest.Run(t, e.config(pipeline.Group[orderevents.Confirmed]{Name: billingGroup, Handle: billing.Handler{Payments: client, Currency: "EUR", DB: e.Pool}.OnConfirmed}))
 
 	ev, err := svc.Confirm(context.Background(), orderservice.ConfirmRequest{CustomerID: 42, TotalAmount: decimal.New(1999, -2)})
 	if err != nil {
@@ -102,7 +102,7 @@ func TestTheOrdersTraceReachesThePaymentProvider(t *testing.T) {
 	// The consumer span ends when its message is done, after the charge.
 	testenv.Eventually(t, 30*time.Second, "the consumer span in the order's trace", func() bool {
 		for _, s := range spans.Ended() {
-			if s.Name() == "process "+e.topic && s.SpanContext().TraceID().String() == started {
+			if s.Name() == "process "+e.Topic && s.SpanContext().TraceID().String() == started {
 				return true
 			}
 		}
