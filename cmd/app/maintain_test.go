@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	neturl "net/url"
 	"strings"
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/schema"
@@ -14,13 +16,36 @@ import (
 // maintain prunes the forwarded rows of the consumer outbox, as serve does
 // beside retention: a serve that runs no maintenance of its own relies on
 // it (review finding: with --maintenance-interval 0 nothing pruned them).
+//
+// In a database of its own: the row it stages is no forwarder's envelope,
+// and in the shared database's outbox it would hold every forwarder of
+// the packages tested after this one (it did, in CI).
 func TestMaintainPrunesTheForwardedOutbox(t *testing.T) {
 	ctx := context.Background()
-	pool := reftest.Postgres(t)
+	shared := reftest.Postgres(t)
+	name := "maintain_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := shared.Exec(ctx, `CREATE DATABASE `+name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = shared.Exec(context.Background(), `DROP DATABASE `+name+` WITH (FORCE)`) })
+	u, err := neturl.Parse(shared.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + name
+	url := u.String()
+	if out, err := runApp(t, "migrate", "--database-url", url); err != nil {
+		t.Fatalf("migrate: %v\n%s", err, out)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
 	tables := schema.Config{}
 	box, offsets := tables.OutboxTable().Qualified, tables.OutboxOffsetsTable().Qualified
 	if _, err := pool.Exec(ctx, `INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-		VALUES ('kafka_forwarder', 0, '2') ON CONFLICT (consumer_group) DO NOTHING`); err != nil {
+		VALUES ('kafka_forwarder', 0, '2')`); err != nil {
 		t.Fatal(err)
 	}
 	id := uuid.NewString()
@@ -29,8 +54,8 @@ func TestMaintainPrunesTheForwardedOutbox(t *testing.T) {
 		VALUES ($1, LOCALTIMESTAMP - interval '2 days', '{}', '{}', '1')`, id); err != nil {
 		t.Fatal(err)
 	}
-	out, err := runApp(t, "maintain", "--database-url", pool.Config().ConnString())
-	if err != nil || !strings.Contains(out, "forwarded outbox rows") {
+	out, err := runApp(t, "maintain", "--database-url", url)
+	if err != nil || !strings.Contains(out, "pruned 1 forwarded outbox rows") {
 		t.Fatalf("maintain: %v\n%s", err, out)
 	}
 	var left int
