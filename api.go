@@ -72,6 +72,9 @@ func PublishTo[E Event](ctx context.Context, tx pgx.Tx, topic string, ev E) erro
 	return pipeline.PublishTo(ctx, tx, topic, ev)
 }
 
+// EventTime is the time in an event's id, a UUIDv7 (see pipeline.EventTime).
+func EventTime(ev Event) time.Time { return pipeline.EventTime(ev) }
+
 // DerivedID is the id of an event a handler publishes because of the one it
 // handles: the same in every attempt and replay (see pipeline.DerivedID).
 func DerivedID(ctx context.Context, eventType string, at time.Time) (uuid.UUID, error) {

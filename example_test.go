@@ -63,13 +63,25 @@ func ExampleNew() {
 	go func() { done <- svc.Run(ctx) }()
 	<-svc.Pipeline().Running()
 
-	producer, _ := sarama.NewSyncProducer(brokers, nil)
+	producer, err := sarama.NewSyncProducer(brokers, nil)
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	defer producer.Close()
 	ev, _ := json.Marshal(parcelShipped{ID: uuid.Must(uuid.NewV7()), Parcel: 42})
 	for range 2 { // Kafka delivers at least once: here, twice
-		_, _, _ = producer.SendMessage(&sarama.ProducerMessage{Topic: "parcel.shipped.v1" + suffix, Value: sarama.ByteEncoder(ev)})
+		if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: "parcel.shipped.v1" + suffix, Value: sarama.ByteEncoder(ev)}); err != nil {
+			fmt.Println(err)
+			return
+		}
 	}
-	fmt.Println("effect for parcel", <-effects)
+	select {
+	case p := <-effects:
+		fmt.Println("effect for parcel", p)
+	case <-time.After(time.Minute):
+		fmt.Println("no effect within a minute")
+	}
 	select {
 	case p := <-effects:
 		fmt.Println("a second effect for parcel", p)

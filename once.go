@@ -575,19 +575,25 @@ func (s *Service) Run(ctx context.Context) error {
 // runs OnMaintenance in db.
 func (s *Service) maintain(ctx context.Context, db database, withRetention bool) {
 	log := s.cfg.Logger.With("database", db.name)
-	if _, denied := s.retentionDenied.Load(db.name); withRetention && !denied {
+	if withRetention {
 		rep, err := retention.Run(ctx, s.retentionConfig(db))
 		s.metrics.RetentionPass(rep, err)
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == "42501":
 			// A least-privilege role: the tables' owner runs retention
-			// (app maintain). Said once, not every pass.
-			s.retentionDenied.Store(db.name, true)
-			log.Warn("this role may not run retention passes; the tables' owner must (a cron job of app maintain, or retention.Run); "+
-				"consuming goes on, and the outbox is still pruned here", "err", err)
+			// (app maintain). Said once, not every pass; tried every
+			// pass, so that grants given later take effect.
+			if _, said := s.retentionDenied.LoadOrStore(db.name, true); !said {
+				log.Warn("this role may not run retention passes; the tables' owner must (a cron job of app maintain, or retention.Run); "+
+					"consuming goes on, and the outbox is still pruned here", "err", err)
+			}
 		case err != nil && ctx.Err() == nil:
 			log.Error("retention pass failed; consuming anyway, the next pass catches up", "next_in", s.cfg.MaintenanceInterval, "err", err)
+		case err == nil:
+			if _, said := s.retentionDenied.LoadAndDelete(db.name); said {
+				log.Info("retention passes run again: this role may now run them")
+			}
 		}
 	}
 	if n, err := s.outbox.Prune(ctx, db.pool, s.cfg.OutboxRetention, 5000); err != nil && ctx.Err() == nil {

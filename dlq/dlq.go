@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+	"github.com/once-dev/once/middleware/idempotency"
 )
 
 // DefaultGroup keeps the replay progress.
@@ -203,8 +204,7 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 // payload without one falls back to the record's timestamp.
 func eventTime(m *sarama.ConsumerMessage) time.Time {
 	if id, err := uuid.Parse(eventIDOf(m.Value)); err == nil && id.Version() == 7 {
-		sec, nsec := id.Time().UnixTime()
-		return time.Unix(sec, nsec)
+		return idempotency.IDTime(id)
 	}
 	return m.Timestamp
 }

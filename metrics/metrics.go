@@ -308,7 +308,7 @@ func (m *Metrics) readStore(ctx context.Context, s Store) error {
 	m.claimPartitions.WithLabelValues(name).Set(float64(partitions))
 	age := 0.0
 	if oldest != nil {
-		age = time.Since(retention.TimeOf(*oldest)).Seconds()
+		age = time.Since(idempotency.IDTime(*oldest)).Seconds()
 	}
 	m.oldestClaimAge.WithLabelValues(name).Set(age)
 	m.parkedLetters.WithLabelValues(name).Set(float64(parked))

@@ -3,6 +3,7 @@ package oncetest
 import (
 	"context"
 	"encoding/json"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -43,6 +44,8 @@ type HandlerHarness[E pipeline.Event] struct {
 	cfg   HandlerConfig[E]
 	topic string
 	runs  atomic.Int64
+	mu    sync.Mutex
+	ran   map[int64]bool // by the delivery's offset: concurrent deliveries each know
 }
 
 // Delivery is what one delivery to a handler did.
@@ -77,9 +80,14 @@ func NewHandler[E pipeline.Event](t TB, cfg HandlerConfig[E]) *HandlerHarness[E]
 	if cfg.Decode == nil {
 		cfg.Decode = func(b []byte) (ev E, err error) { return ev, json.Unmarshal(b, &ev) }
 	}
-	hh := &HandlerHarness[E]{cfg: cfg, topic: "oncetest." + cfg.Group}
+	hh := &HandlerHarness[E]{cfg: cfg, topic: "oncetest." + cfg.Group, ran: map[int64]bool{}}
 	handle := func(ctx context.Context, tx pgx.Tx, ev E) error {
 		hh.runs.Add(1)
+		if d, ok := pipeline.DeliveryFrom(ctx); ok {
+			hh.mu.Lock()
+			hh.ran[d.Offset] = true
+			hh.mu.Unlock()
+		}
 		return cfg.Handle(ctx, tx, ev)
 	}
 	hh.h = New(t, Config{DB: cfg.DB, Tables: cfg.Tables, Outgoing: cfg.Outgoing,
@@ -119,7 +127,6 @@ func (hh *HandlerHarness[E]) deliver(ev E, rollBack bool) Delivery {
 	if err != nil {
 		hh.h.t.Fatalf("oncetest: encode event %s: %v", ev.EventID(), err)
 	}
-	before := hh.runs.Load()
 	lm := pipeline.LocalMessage{Key: ev.EventID().String(), Payload: payload}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -132,7 +139,11 @@ func (hh *HandlerHarness[E]) deliver(ev E, rollBack bool) Delivery {
 		hh.h.t.Fatalf("oncetest: deliver %s: %v", ev.EventID(), err)
 	}
 	r := rs[0]
-	d := Delivery{Outcome: r.Claim.Outcome, HandlerRan: hh.runs.Load() > before}
+	hh.mu.Lock()
+	ran := hh.ran[r.Offset]
+	delete(hh.ran, r.Offset)
+	hh.mu.Unlock()
+	d := Delivery{Outcome: r.Claim.Outcome, HandlerRan: ran}
 	switch {
 	case r.DeadLetter != nil:
 		d.Err = r.DeadLetter.Err

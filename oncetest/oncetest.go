@@ -19,7 +19,9 @@ package oncetest
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"strings"
 	"time"
@@ -27,10 +29,12 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once"
 	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/schema"
 )
 
@@ -89,6 +93,9 @@ func NewDB(t TB) *DB {
 	if err != nil {
 		t.Fatalf("oncetest: DATABASE_URL: %v", err)
 	}
+	if pooled, err := pgdb.Pooled(ctx, admin); err == nil && pooled {
+		t.Fatal("oncetest: DATABASE_URL points at a connection pooler; NewDB needs a direct connection (it isolates the test by search_path, which a transaction pooler does not keep)")
+	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = name + ",public"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
@@ -117,6 +124,9 @@ type Config struct {
 	Outgoing []pipeline.OutgoingBinding
 	// MaxEventAge and MaxClockSkew: as in pipeline.Config.
 	MaxEventAge, MaxClockSkew time.Duration
+	// Logger gets the pipeline's log lines (dead letters, holds, batches
+	// run on their own). Default: warnings and errors to slog.Default().
+	Logger *slog.Logger
 }
 
 // Harness sends messages to the topics of a [Config]; see [New].
@@ -134,7 +144,17 @@ func New(t TB, cfg Config) *Harness {
 	if cfg.DB == nil {
 		t.Fatal("oncetest: Config.DB is required")
 	}
-	local, err := pipeline.NewLocal(pipeline.Config{DB: cfg.DB, Tables: cfg.Tables, Topics: cfg.Topics, Outgoing: cfg.Outgoing,
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(warnings{slog.Default().Handler()})
+	}
+	// The dedup horizon as the front door's defaults make it: the claims'
+	// retention is recorded where none is (a test's fixture older than it
+	// is then refused, as in production), and one recorded is kept.
+	rcfg := retention.Config{DB: cfg.DB, Tables: cfg.Tables, Retention: once.DefaultRetention}
+	if err := retention.Agree(context.Background(), rcfg); err != nil && !errors.Is(err, retention.ErrRetentionDisagrees) {
+		t.Fatalf("oncetest: record the claims' retention: %v", err)
+	}
+	local, err := pipeline.NewLocal(pipeline.Config{DB: cfg.DB, Tables: cfg.Tables, Topics: cfg.Topics, Outgoing: cfg.Outgoing, Logger: cfg.Logger,
 		MaxEventAge: cfg.MaxEventAge, MaxClockSkew: cfg.MaxClockSkew, HoldBackoff: time.Millisecond, HoldMaxBackoff: time.Millisecond})
 	if err != nil {
 		t.Fatalf("oncetest: %v", err)
@@ -146,6 +166,20 @@ func New(t TB, cfg Config) *Harness {
 	}
 	return &Harness{t: t, cfg: cfg, local: local, outbox: box}
 }
+
+// warnings passes on what is at least a warning: a test's expected holds
+// and batches run alone are the pipeline's information, not the test's.
+type warnings struct{ slog.Handler }
+
+func (w warnings) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= slog.LevelWarn && w.Handler.Enabled(ctx, l)
+}
+
+func (w warnings) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return warnings{w.Handler.WithAttrs(attrs)}
+}
+
+func (w warnings) WithGroup(name string) slog.Handler { return warnings{w.Handler.WithGroup(name)} }
 
 // Message is a Kafka message as a producer sent it.
 type Message struct {
@@ -182,6 +216,9 @@ const (
 	Held Outcome = "held"
 	// NotRun: a message before it in the same Send was held, and it waited.
 	NotRun Outcome = "not run"
+	// Skipped: acknowledged with nothing claimed, dead-lettered or held: a
+	// team's BeforeClaim middleware returned without calling on.
+	Skipped Outcome = "skipped"
 )
 
 // Result is what one group did with one message.
@@ -249,8 +286,10 @@ func (h *Harness) SendJSON(topic string, events ...any) Results {
 
 // SendRolledBack sends msgs as Send does, but every transaction rolls back
 // after its handler returned, as a crash before the commit would: each
-// message is held, and only the handler's effects outside its transaction
-// remain (which is what this shows: there should be none).
+// group's first message is held and those behind it are not run, and only
+// the handler's effects outside its transaction remain (which is what this
+// shows: there should be none). It runs alone: no concurrent Send shares
+// its batches.
 func (h *Harness) SendRolledBack(topic string, msgs ...Message) Results {
 	h.t.Helper()
 	return h.send(topic, true, msgs)
@@ -294,8 +333,10 @@ func result(r pipeline.LocalResult) Result {
 		res.Outcome, res.Reason = Held, r.Err.Error()
 	case r.Claim.Outcome == idempotency.Duplicate:
 		res.Outcome = Duplicate
-	default:
+	case r.Claim.Outcome == idempotency.Processed:
 		res.Outcome = Processed
+	default:
+		res.Outcome = Skipped
 	}
 	return res
 }

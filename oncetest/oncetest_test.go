@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -253,5 +255,110 @@ func TestPublishRefusesAnIDThatIsNotAUUIDv7(t *testing.T) {
 	h.SendJSON(topic, newIssued(1, 1)).Require(t, oncetest.Processed)
 	if published == nil || !strings.Contains(published.Error(), "not a UUIDv7") {
 		t.Fatalf("Publish of a UUIDv4 id: %v; want it refused", published)
+	}
+}
+
+// A second harness on the same database, as a test run again or another
+// test makes: its dead letters are dead letters, not "processed" (review
+// finding: offsets restarted at 0 and the dead-letter sources skipped them
+// as dead-lettered before).
+func TestASecondHarnessOnTheSameDatabaseStillDeadLetters(t *testing.T) {
+	db := oncetest.NewDB(t)
+	cfg := oncetest.Config{DB: db.Pool, Tables: db.Tables, Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued,
+		Groups: []pipeline.Group[issued]{{Name: "g", Handle: func(context.Context, pgx.Tx, issued) error {
+			return idempotency.Permanent(errors.New("still broken"))
+		}}}}}}
+	bad := oncetest.Message{Payload: []byte(`{"event_id":`)}
+	for run := range 2 {
+		h := oncetest.New(t, cfg)
+		h.Send(topic, bad).Require(t, oncetest.DeadLettered)
+		h.SendJSON(topic, newIssued(1, 1)).Require(t, oncetest.DeadLettered)
+		_ = run
+	}
+}
+
+// An event older than the claims' retention is refused as the front door's
+// defaults refuse it (review finding: oncetest had no horizon).
+func TestAnEventOlderThanTheRetentionIsRefused(t *testing.T) {
+	_, h := newService(t)
+	old := newIssued(1, 1)
+	ms := uint64(time.Now().Add(-30 * 24 * time.Hour).UnixMilli())
+	for i := range 6 {
+		old.ID[i] = byte(ms >> (40 - 8*i))
+	}
+	rs := h.SendJSON(topic, old)
+	for _, r := range rs {
+		if r.Outcome != oncetest.DeadLettered || !strings.Contains(r.Reason, "older than the dedup horizon") {
+			t.Fatalf("%+v; want the 30-day-old event refused by every group", rs)
+		}
+	}
+}
+
+// Two deliveries of one event at once, from two partitions: one ran the
+// handler and one was a duplicate, each told apart (review finding:
+// HandlerRan read a shared counter).
+func TestConcurrentDeliveriesEachKnowWhetherTheHandlerRan(t *testing.T) {
+	db := oncetest.NewDB(t)
+	hh := oncetest.NewHandler(t, oncetest.HandlerConfig[issued]{DB: db.Pool, Tables: db.Tables, Decode: decodeIssued,
+		Handle: func(context.Context, pgx.Tx, issued) error { time.Sleep(50 * time.Millisecond); return nil }})
+	ev := newIssued(1, 1)
+	var wg sync.WaitGroup
+	ds := make([]oncetest.Delivery, 2)
+	for i := range ds {
+		wg.Go(func() { ds[i] = hh.Deliver(ev) })
+	}
+	wg.Wait()
+	ran := 0
+	for _, d := range ds {
+		if d.HandlerRan {
+			ran++
+		}
+	}
+	if ran != 1 || hh.Runs() != 1 {
+		t.Fatalf("deliveries %+v, runs %d; want the handler run in exactly one", ds, hh.Runs())
+	}
+}
+
+// A Send and a SendRolledBack at once on a batched group: the rolled-back
+// event is not committed by the other's batch (review finding).
+func TestARolledBackSendSharesNoBatch(t *testing.T) {
+	_, h := newService(t)
+	a, b := newIssued(20, 1), newIssued(21, 1)
+	var wg sync.WaitGroup
+	var rolled oncetest.Results
+	wg.Go(func() { h.SendJSON(topic, a) })
+	wg.Go(func() { rolled = h.SendRolledBack(topic, oncetest.JSON("k", b)) })
+	wg.Wait()
+	if h.Claimed("totals", b.ID) || h.Claimed("invoices", b.ID) {
+		t.Fatalf("the rolled-back event is claimed (%+v)", rolled)
+	}
+}
+
+// fatalT records a Fatal instead of ending a test, for a test of what
+// oncetest refuses.
+type fatalT struct {
+	oncetest.TB
+	msg string
+}
+
+func (f *fatalT) Fatal(args ...any)                 { f.msg = fmt.Sprint(args...); panic(f) }
+func (f *fatalT) Fatalf(format string, args ...any) { f.msg = fmt.Sprintf(format, args...); panic(f) }
+
+// NewDB behind a transaction pooler refuses with a reason, instead of a
+// start-up error or a test that loses its isolation (review finding).
+func TestNewDBBehindAPoolerSaysWhy(t *testing.T) {
+	url := os.Getenv("ONCE_PGBOUNCER_URL")
+	if url == "" {
+		testenv.RequireDevService(t, "pgbouncer")
+		t.Skip("ONCE_PGBOUNCER_URL is not set")
+	}
+	t.Setenv("DATABASE_URL", url)
+	f := &fatalT{TB: t}
+	func() {
+		defer func() { _ = recover() }()
+		oncetest.NewDB(f)
+	}()
+	if !strings.Contains(f.msg, "pooler") {
+		t.Fatalf("NewDB behind PgBouncer: %q; want it refused, naming the pooler", f.msg)
 	}
 }

@@ -2,6 +2,7 @@ package pgdb
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -24,7 +25,7 @@ type DB interface {
 // URL set connect_timeout: a host that drops packets would otherwise hold a
 // pool's slot for the kernel's TCP timeout, minutes.
 func BoundConnect(cfg *pgxpool.Config, d time.Duration) {
-	if cfg.ConnConfig.ConnectTimeout == 0 && d > 0 {
+	if cfg.ConnConfig.ConnectTimeout == 0 && d > 0 && !strings.Contains(cfg.ConnString(), "connect_timeout") {
 		cfg.ConnConfig.ConnectTimeout = d
 	}
 }

@@ -217,6 +217,11 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					}
 					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
 						"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "attempt", attempt, "err", perr)
+					if p.cfg.Hooks.OnHeld != nil {
+						// Held as the environment's failures are: the hook
+						// (and its metric) sees it too.
+						p.cfg.Hooks.OnHeld(Held{Delivery: delivery(t.name, g.name, msg), Attempts: attempt, Err: fmt.Errorf("write the dead letter: %w", perr)})
+					}
 					if werr := p.pause(msg, revoked, wait); werr != nil {
 						return nil, fmt.Errorf("%w: %w", werr, perr)
 					}

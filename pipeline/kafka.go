@@ -66,10 +66,12 @@ func subscriberSaramaConfig(cfg Config, version sarama.KafkaVersion, group strin
 	return c
 }
 
-// PublisherSaramaConfig is the producer configuration for order events and
-// dead letters: idempotent, acknowledged by all in-sync replicas, one request
-// in flight, so a retried send neither duplicates nor reorders inside a
-// partition.
+// PublisherSaramaConfig is the library's producer configuration, for the
+// consumer outbox's events and dead letters, and fit for a team's own
+// producer (a test's too): idempotent, acknowledged by all in-sync
+// replicas, one request in flight, so a retried send neither duplicates nor
+// reorders inside a partition; successes are returned, as a SyncProducer
+// needs.
 func PublisherSaramaConfig(version sarama.KafkaVersion) *sarama.Config {
 	c := saramaBase(version, "once-producer")
 	c.Producer.Return.Successes = true

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -39,6 +40,9 @@ type Local struct {
 	// rollBack are the messages whose transactions roll back after their
 	// handler ran, by UUID.
 	rollBack map[string]bool
+	// exclusive keeps a DeliverRolledBack's messages out of other
+	// Delivers' batches: a batch rolls back by its first message.
+	exclusive sync.RWMutex
 }
 
 // errRolledBack fails an attempt of [Local.DeliverRolledBack] after its
@@ -194,19 +198,35 @@ func (l *Local) Deliver(ctx context.Context, topic string, msgs ...LocalMessage)
 
 // DeliverRolledBack delivers msgs as Deliver does, but every transaction
 // they run in rolls back after its handler returned, as a crash before the
-// commit would: each message is then held (a batch's too: its events run
-// on their own, and fail the same way). Only the handler's effects outside
-// its transaction remain.
+// commit would: the first message of each group is then held (a batch's
+// events run on their own, and the first fails the same way), and those
+// behind it are not run. Only the handler's effects outside its
+// transaction remain. It runs alone: no other Deliver's message shares
+// its batches.
 func (l *Local) DeliverRolledBack(ctx context.Context, topic string, msgs ...LocalMessage) ([]LocalResult, error) {
 	return l.deliver(ctx, topic, true, msgs)
 }
 
 func (l *Local) deliver(ctx context.Context, topic string, rollBack bool, msgs []LocalMessage) ([]LocalResult, error) {
+	if rollBack {
+		l.exclusive.Lock()
+		defer l.exclusive.Unlock()
+	} else {
+		l.exclusive.RLock()
+		defer l.exclusive.RUnlock()
+	}
 	groups := l.groups[topic]
 	if len(groups) == 0 {
 		return nil, fmt.Errorf("pipeline: no topic %s in the local pipeline", topic)
 	}
 	l.mu.Lock()
+	if _, ok := l.offsets[topic]; !ok {
+		// Offsets no earlier local pipeline used on this database: the
+		// dead-letter sources table remembers (group, topic, partition,
+		// offset), and a repeated one would be skipped as dead-lettered
+		// before.
+		l.offsets[topic] = time.Now().UnixMicro()
+	}
 	first := l.offsets[topic]
 	l.offsets[topic] += int64(len(msgs))
 	if rollBack {

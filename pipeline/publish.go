@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/outbox"
 )
 
@@ -99,6 +100,10 @@ type publisherCtxKey struct{}
 // need the context a pipeline gives its handlers and middleware.
 var ErrNotAHandlersContext = errors.New("pipeline: not the context of a pipeline's handler")
 
+// EventTime is the time in ev's id, a UUIDv7: when its producer made it,
+// to the millisecond. The dedup horizon judges an event's age by it.
+func EventTime(ev Event) time.Time { return idempotency.IDTime(ev.EventID()).UTC() }
+
 // Publish writes ev, in tx, into the consumer outbox for the [Outgoing]
 // topic of its type (Config.Outgoing): keyed by that topic's Key, encoded by
 // its Encode, identified by ev's EventID. It reaches Kafka once tx commits,
@@ -161,8 +166,9 @@ func (p *publisher) publish(ctx context.Context, tx pgx.Tx, o outgoingBinding, i
 // it handles: a UUIDv7 whose time is at and whose other bits come from the
 // handled event's id and eventType (outbox.EventID). Every attempt, and a
 // replay, derive the same id, which downstream consumers dedup; take at
-// from a durable record of what happened (a row committed earlier), not
-// from the clock of the attempt.
+// from a durable record of what happened (a row committed earlier), never
+// from the clock of the attempt. Without such a row, the handled event's
+// own time, [EventTime](ev), is one.
 //
 // A batch's handler has many events: it derives each one's follow-up id
 // with outbox.EventID(ev.EventID(), eventType, at); DerivedID refuses.

@@ -3,6 +3,7 @@ package pipeline_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -356,11 +357,16 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 		_, _ = e.Pool.Exec(ctx, `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
 	})
 	r := &recorder{group: uniqueGroup("unparkable")}
-	var deadLetters atomic.Int64
+	var deadLetters, heldHooks atomic.Int64
 	cfg := e.config(group(r))
 	cfg.HoldBackoff = 20 * time.Millisecond
 	cfg.HoldMaxBackoff = 100 * time.Millisecond
 	cfg.Hooks.OnDeadLetter = func(pipeline.DeadLetter) { deadLetters.Add(1) }
+	cfg.Hooks.OnHeld = func(h pipeline.Held) {
+		if strings.Contains(h.Err.Error(), "write the dead letter") {
+			heldHooks.Add(1)
+		}
+	}
 	p, err := pipeline.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -382,8 +388,8 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 		return n
 	}
 	testenv.Eventually(t, 30*time.Second, "the dead letter's write failing twice", func() bool { return tries() >= 2 })
-	if got := held(); got != 1 {
-		t.Fatalf("while its dead letter cannot be written: %d messages held; want 1", got)
+	if got := held(); got != 1 || heldHooks.Load() == 0 {
+		t.Fatalf("while its dead letter cannot be written: %d messages held, OnHeld told %d times; want 1, and told (review finding: the hook never was)", got, heldHooks.Load())
 	}
 	if deadLetters.Load() != 0 {
 		t.Fatal("dead-lettered while its letter could not be written")

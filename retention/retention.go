@@ -507,13 +507,6 @@ func FirstIDAt(t time.Time) uuid.UUID {
 	return id
 }
 
-// TimeOf is the time in a UUIDv7's first 48 bits, to the millisecond.
-func TimeOf(id uuid.UUID) time.Time {
-	var ms [8]byte
-	copy(ms[2:], id[:6])
-	return time.UnixMilli(int64(binary.BigEndian.Uint64(ms[:])))
-}
-
 // DayRange returns the ids of one UTC day: [lo, hi).
 func DayRange(day time.Time) (lo, hi uuid.UUID) {
 	start := day.UTC().Truncate(24 * time.Hour)

@@ -421,6 +421,30 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 		if !hasDefault {
 			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail", claims)
 		}
+		// Every migration applied, where this role may read the versions;
+		// where it may not, the newest migration's column below says.
+		if ms, err := migrations(cfg); err == nil {
+			var applied int
+			// In a savepoint: a refusal must not abort the checks after it.
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			err = sp.QueryRow(ctx, `SELECT count(*) FROM (SELECT DISTINCT ON (version_id) is_applied FROM `+cfg.Versions().Qualified+
+				` WHERE version_id > 0 ORDER BY version_id, id DESC) latest WHERE is_applied`).Scan(&applied)
+			_ = sp.Rollback(ctx)
+			var pgErr *pgconn.PgError
+			switch {
+			case errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01"):
+				// Not ours to read, or a schema made without goose: the
+				// shape checks decide.
+			case err != nil:
+				return fmt.Errorf("schema: read %s: %w", cfg.Versions(), err)
+			case applied < len(ms):
+				return fmt.Errorf("schema: %d of this release's %d migrations are applied in %s: migrate the database first (schema.Migrate, app migrate)",
+					applied, len(ms), cfg.Schema)
+			}
+		}
 		// The newest migration's column: the claim statement reads it, and
 		// a database that lacks it would fail every claim.
 		policy := cfg.RetentionPolicy()

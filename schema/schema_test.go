@@ -132,3 +132,26 @@ func TestNamesAreValidated(t *testing.T) {
 		t.Fatalf("got %v; want both bad names reported", err)
 	}
 }
+
+// A database an older release migrated has every table the checks look at
+// but lacks a newer migration: start-up says so, with the counts.
+func TestCheckRefusesADatabaseAMigrationBehind(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := schema.Check(ctx, pool, cfg); err != nil {
+		t.Fatalf("a migrated schema: %v", err)
+	}
+	// goose records a rollback as a newer row with is_applied false.
+	if _, err := pool.Exec(ctx, `INSERT INTO `+cfg.Versions().Qualified+` (version_id, is_applied)
+		SELECT max(version_id), false FROM `+cfg.Versions().Qualified); err != nil {
+		t.Fatal(err)
+	}
+	err := schema.Check(ctx, pool, cfg)
+	if err == nil || !strings.Contains(err.Error(), "7 of this release's 8 migrations") {
+		t.Fatalf("Check with the newest migration rolled back: %v; want the counts named", err)
+	}
+}

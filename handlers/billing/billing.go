@@ -315,7 +315,7 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev orderevents.Canc
 		case err == nil && unsettled != nil:
 			return idempotency.Permanent(fmt.Errorf("billing: order %d: its confirmation %s was dead-lettered with its charge unsettled (%s); "+
 				"the refund's amount is unknown here; reconcile with the provider", ev.OrderID(), owner, *unsettled))
-		case err == nil && h.Horizon > 0 && uuidTime(owner).Before(h.now().Add(-h.Horizon)):
+		case err == nil && h.Horizon > 0 && idempotency.IDTime(owner).Before(h.now().Add(-h.Horizon)):
 			return idempotency.Permanent(fmt.Errorf("billing: order %d was charged or not under key %s by event %s, which is past the dedup horizon and will never be recorded: "+
 				"the refund's amount is unknown here; reconcile with the provider", ev.OrderID(), key, owner))
 		case err == nil:
@@ -353,7 +353,7 @@ func (h Handler) OnCancelled(ctx context.Context, tx pgx.Tx, ev orderevents.Canc
 	// The cancellation's id time: stable across attempts, and already
 	// judged against the database's clock when the cancellation was
 	// claimed, unlike the provider's clock.
-	at := uuidTime(ev.EventID())
+	at := idempotency.IDTime(ev.EventID())
 	refunded, err := orderevents.NewPaymentRefunded(outbox.EventID(ev.EventID(), orderevents.TypePaymentRefundedV1, at), at,
 		ev.OrderID(), p.customerID, p.amount, p.currency, refund.ID)
 	if err != nil {
@@ -372,12 +372,6 @@ func (h Handler) publish(ctx context.Context, tx pgx.Tx, ev orderevents.Payment)
 		return nil
 	}
 	return h.Publish(ctx, tx, ev)
-}
-
-// uuidTime is the millisecond timestamp of a UUIDv7.
-func uuidTime(id uuid.UUID) time.Time {
-	sec, nsec := id.Time().UnixTime()
-	return time.Unix(sec, nsec)
 }
 
 func (h Handler) now() time.Time {

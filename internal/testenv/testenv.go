@@ -49,13 +49,19 @@ var skipOnce sync.Once
 // which go test does not capture.
 func announceSkip(t testing.TB, name string) {
 	skipOnce.Do(func() {
-		out := os.Stderr
-		if tty, err := os.OpenFile("/dev/tty", os.O_WRONLY, 0); err == nil {
-			defer tty.Close()
-			out = tty
-		}
-		fmt.Fprintf(out, "*** %s: integration tests SKIPPED, %s is not set; run dev/test.sh, which starts Kafka and PostgreSQL ***\n", packageOf(t), name)
+		announce(fmt.Sprintf("%s: integration tests SKIPPED, %s is not set; run dev/test.sh, which starts Kafka and PostgreSQL", packageOf(t), name))
 	})
+}
+
+// announce says line where a person sees it: the terminal when there is
+// one, which go test does not capture (it hides a passing package's output).
+func announce(line string) {
+	out := os.Stderr
+	if tty, err := os.OpenFile("/dev/tty", os.O_WRONLY, 0); err == nil {
+		defer tty.Close()
+		out = tty
+	}
+	fmt.Fprintf(out, "*** %s ***\n", line)
 }
 
 func packageOf(t testing.TB) string {
@@ -416,7 +422,7 @@ func MainWithServices(m *testing.M, services ...string) {
 		}
 		if run := flag.Lookup("test.run"); run != nil && run.Value.String() == "" {
 			_ = run.Value.Set("^(Test|Fuzz)")
-			fmt.Fprintf(os.Stderr, "%s is not set: this package's examples are not run (dev/test.sh starts the services)\n", name)
+			announce(fmt.Sprintf("%s is not set: this package's examples are not run (dev/test.sh starts the services)", name))
 		}
 		break
 	}

@@ -426,7 +426,7 @@ func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time, maxAge time.Dura
 	if maxAge == 0 && m.cfg.MaxClockSkew <= 0 {
 		return nil
 	}
-	at := uuidV7Time(key)
+	at := IDTime(key)
 	if m.cfg.MaxClockSkew > 0 && at.After(now.Add(m.cfg.MaxClockSkew)) {
 		return Permanent(fmt.Errorf("%w: event %s is from %s, more than %s ahead", ErrFromTheFuture, key, at.Format(time.RFC3339), m.cfg.MaxClockSkew))
 	}
@@ -436,8 +436,9 @@ func (m *Middleware) checkHorizon(key uuid.UUID, now time.Time, maxAge time.Dura
 	return nil
 }
 
-// uuidV7Time is the Unix millisecond timestamp in a UUIDv7's first 48 bits.
-func uuidV7Time(id uuid.UUID) time.Time {
+// IDTime is the time in a UUIDv7's first 48 bits, to the millisecond:
+// when its producer made the event, which the dedup horizon judges.
+func IDTime(id uuid.UUID) time.Time {
 	ms := int64(id[0])<<40 | int64(id[1])<<32 | int64(id[2])<<24 | int64(id[3])<<16 | int64(id[4])<<8 | int64(id[5])
 	return time.UnixMilli(ms)
 }
