@@ -359,8 +359,9 @@ type batchItem struct {
 	frozen *message.Message
 }
 
-// next waits for a batch: Size messages that may join one, or fewer once
-// the oldest of them waited MaxWait.
+// next, called with a commit slot free, waits for a batch: Size messages
+// that may join one; or fewer, as soon as no more are on their way (unless
+// WaitToFill), and at the latest once the oldest of them waited MaxWait.
 func (b *batcher) next(ctx context.Context) []batchItem {
 	var timer *time.Timer
 	defer func() {
@@ -370,8 +371,8 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 	}()
 	for {
 		b.mu.Lock()
-		ready, oldest := b.ready()
-		if len(ready) >= b.cfg.Size || (len(ready) > 0 && time.Since(oldest) >= b.cfg.MaxWait) {
+		ready, oldest, onTheirWay := b.ready()
+		if len(ready) >= b.cfg.Size || (len(ready) > 0 && ((!onTheirWay && !b.cfg.WaitToFill) || time.Since(oldest) >= b.cfg.MaxWait)) {
 			ready = ready[:min(len(ready), b.cfg.Size)]
 			items := make([]batchItem, len(ready))
 			for i, e := range ready {
@@ -405,8 +406,10 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 }
 
 // ready lists the waiting messages that may join a batch: every message
-// before them in their partition is done. Caller holds b.mu.
-func (b *batcher) ready() (ready []*batchEntry, oldest time.Time) {
+// before them in their partition is done; and whether more could join it
+// soon: handed out, on their way to the claim, with nothing before them
+// that is not in the list or done. Caller holds b.mu.
+func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, onTheirWay bool) {
 	for key, q := range b.queues {
 		if key.owner.Err() != nil {
 			// The session ended: its messages are the next owner's. Those
@@ -440,14 +443,18 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time) {
 					oldest = e.since
 				}
 				if len(ready) >= b.cfg.Size {
-					return ready, oldest
+					return ready, oldest, onTheirWay
 				}
 				continue
 			}
-			break // announced, in a batch or alone: its followers wait
+			// Announced, in a batch or alone: its followers wait. One
+			// announced (everything before it is done or in this list) is
+			// on its way to this batch.
+			onTheirWay = onTheirWay || e.state == announced
+			break
 		}
 	}
-	return ready, oldest
+	return ready, oldest, onTheirWay
 }
 
 // commit runs one batch and hands each message its result. The batch's

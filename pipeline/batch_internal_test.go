@@ -185,7 +185,7 @@ func TestANewSessionsMessageIsNotCapturedByTheOldOnes(t *testing.T) {
 	f.claimAsync(m6)
 	time.Sleep(50 * time.Millisecond)
 	f.b.mu.Lock()
-	ready, _ := f.b.ready()
+	ready, _, _ := f.b.ready()
 	f.b.mu.Unlock()
 	var offsets []int64
 	for _, e := range ready {

@@ -58,12 +58,25 @@ type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) err
 // messages, from every partition the consumer owns, are claimed in one
 // statement and handled and committed in one transaction. The database
 // pays one commit per batch instead of one per event.
+//
+// A batch leaves as soon as one of the Concurrency commit slots is free
+// and no more of its events are on their way (handed out by Kafka, still
+// being decoded), with whatever is ready, as PostgreSQL's own group commit
+// does: while the slots are busy the next batch grows, up to Size, so
+// batches are large under load and a single event when the stream is
+// quiet, which then waits for nothing. MaxWait bounds the wait for events
+// on their way.
 type Batch struct {
 	// Size is the most events in one transaction. Default: 100.
 	Size int
-	// MaxWait is how long a batch waits to fill before it runs with what it
-	// has. Default: 5ms.
+	// MaxWait is the longest a batch's oldest event waits, with a slot
+	// free, for the events on their way to join it. Default: 5ms.
 	MaxWait time.Duration
+	// WaitToFill makes a batch wait for Size events, up to MaxWait, even
+	// when none is on its way: fewer, fuller commits, for latency whenever
+	// the stream is slower than the database (the group commit before it
+	// was adaptive). Default: false.
+	WaitToFill bool
 	// Window is how many messages of one partition may be in flight at once.
 	// A partition's events still reach the handler in order and commit in
 	// order. Default: Size.

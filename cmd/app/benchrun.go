@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -38,7 +39,7 @@ type benchRunCmd struct {
 	DB           dbSettings `embed:""`
 	Brokers      []string   `name:"kafka-brokers" env:"KAFKA_BROKERS" sep:"," help:"Kafka bootstrap addresses."`
 	KafkaVersion string     `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
-	Variant      string     `name:"variant" required:"" enum:"L1,L2,L2U,L2B,B,P,PB" help:"What to measure (see app bench --help)."`
+	Variant      string     `name:"variant" required:"" enum:"L1,L2,L2U,L2B,B,P,PB,PBW" help:"What to measure (see app bench --help)."`
 	Topic        string     `name:"topic" help:"Topic to consume (Kafka variants)."`
 	Group        string     `name:"group" required:"" help:"Consumer group, and the claims' group."`
 	Events       int        `name:"events" required:"" help:"Events to process before stopping."`
@@ -47,6 +48,7 @@ type benchRunCmd struct {
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
+	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the whole process to this file: every allocation is recorded, so the run is slower and its figures are not comparable."`
 }
@@ -58,6 +60,11 @@ type benchFigures struct {
 	Seconds float64 `json:"seconds"`
 	P50ms   float64 `json:"p50_ms"`
 	P99ms   float64 `json:"p99_ms"`
+	P999ms  float64 `json:"p999_ms"`
+	// CPUus is the measuring process's user + system CPU time per event,
+	// in microseconds: a figure this noisy machine's other load hardly
+	// moves, unlike a rate.
+	CPUus float64 `json:"cpu_us_per_event"`
 	// Filled in by app bench.
 	PeakRSSKiB int64  `json:"peak_rss_kib,omitempty"`
 	Skipped    string `json:"skipped,omitempty"`
@@ -114,7 +121,7 @@ func (c *clock) figures(variant string) benchFigures {
 		}
 		return float64(c.latencies[min(len(c.latencies)-1, int(p*float64(len(c.latencies))))].Microseconds()) / 1000
 	}
-	return benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds(), P50ms: pct(0.50), P99ms: pct(0.99)}
+	return benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds(), P50ms: pct(0.50), P99ms: pct(0.99), P999ms: pct(0.999)}
 }
 
 func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
@@ -164,6 +171,7 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	}
 	// Quiet: a measurement logs only what goes wrong.
 	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	cpuBefore := cpuTime()
 	switch b.Variant {
 	case "L2", "L2U":
 		err = b.direct(ctx, pool, c, log)
@@ -171,14 +179,16 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		err = b.directBatched(ctx, pool, c, log)
 	case "L1", "B":
 		err = b.bare(ctx, pool, c, log)
-	case "P", "PB":
+	case "P", "PB", "PBW":
 		err = b.pipelined(ctx, pool, c, log)
 	}
 	if err != nil {
 		return err
 	}
+	cpu := cpuTime() - cpuBefore
 	line.Done()
 	f := c.figures(b.Variant)
+	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
 	if b.ClearAfter {
 		// Every measurement leaves the tables as it found them: the next
@@ -187,6 +197,15 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		clearBenchRows(ctx, pool, likeEscape(b.Group), b.ClaimsSince, d.stderr)
 	}
 	return json.NewEncoder(d.stdout).Encode(f)
+}
+
+// cpuTime is this process's user + system CPU time so far.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // peakRSS is a process's VmHWM, its resident set's high-water mark, in KiB:
@@ -222,14 +241,20 @@ func (b *benchRunCmd) wait(ctx context.Context, c *clock) error {
 func benchEvents(n int) [][]byte {
 	out := make([][]byte, n)
 	for i := range out {
-		ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, benchCustomers+int64(i), benchCustomers+rand.Int64N(benchCustomerCount),
-			decimal.New(100+rand.Int64N(100000), -2))
-		if err != nil {
-			panic(err) // the values above are always valid
-		}
-		out[i], _ = ev.MarshalJSON()
+		out[i] = benchEvent(i)
 	}
 	return out
+}
+
+// benchEvent is the i-th generated event, its id made now.
+func benchEvent(i int) []byte {
+	ev, err := orderevents.NewConfirmed(uuid.Must(uuid.NewV7()), throughputDay, benchCustomers+int64(i), benchCustomers+rand.Int64N(benchCustomerCount),
+		decimal.New(100+rand.Int64N(100000), -2))
+	if err != nil {
+		panic(err) // the values above are always valid
+	}
+	b, _ := ev.MarshalJSON()
+	return b
 }
 
 func analyticsUpsert(ctx context.Context, tx pgx.Tx, payload []byte) error {
@@ -399,12 +424,22 @@ func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.
 // enters the group's chain to its commit (a batch's wait included).
 func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
 	g := pipeline.Group[orderevents.Confirmed]{Name: b.Group, Handle: analytics.Handler{}.OnConfirmed}
-	if b.Variant == "PB" {
+	switch b.Variant {
+	case "PB":
 		g = pipeline.Group[orderevents.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch, Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc}}
+	case "PBW":
+		g = pipeline.Group[orderevents.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch,
+			Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc, MaxWait: 5 * time.Millisecond, WaitToFill: true}}
 	}
 	g.Extra.Observe = []message.HandlerMiddleware{func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			start := time.Now()
+			if b.FromProduce {
+				// Kafka's queueing counts too: what a payments team waits.
+				if id, err := idempotency.PayloadEventID(msg); err == nil {
+					start = idempotency.IDTime(id)
+				}
+			}
 			c.started(start)
 			out, err := h(msg)
 			if err == nil {
@@ -443,6 +478,39 @@ func publishBench(brokers []string, version sarama.KafkaVersion, topic string, p
 			return fmt.Errorf("publish to %s: %w", topic, err)
 		}
 		progress(i + len(msgs))
+	}
+	return nil
+}
+
+// publishAtRate publishes events events to topic at rate a second,
+// evenly (a batch every 10 ms), each made as it is sent: its id's time is
+// when it was produced, from which the consumer measures its latency.
+func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, events, rate int) error {
+	cfg := pipeline.PublisherSaramaConfig(version)
+	cfg.Producer.Compression = sarama.CompressionNone
+	producer, err := sarama.NewSyncProducer(brokers, cfg)
+	if err != nil {
+		return fmt.Errorf("kafka producer: %w", err)
+	}
+	defer producer.Close()
+	const tick = 10 * time.Millisecond
+	start := time.Now()
+	for sent := 0; sent < events; {
+		due := min(events, int(float64(rate)*time.Since(start).Seconds())+1)
+		var msgs []*sarama.ProducerMessage
+		for ; sent < due; sent++ {
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(benchEvent(sent))})
+		}
+		if len(msgs) > 0 {
+			if err := producer.SendMessages(msgs); err != nil {
+				return fmt.Errorf("publish to %s: %w", topic, err)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(tick):
+		}
 	}
 	return nil
 }

@@ -44,7 +44,10 @@ type benchCmd struct {
 	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: ../shared/bench/seedpeer, else dev/seedpeer."`
 	KeepTopics   bool       `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
 	Rounds       int        `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
-	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,Peer" help:"Run only these variants of the main table (default: all)."`
+	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer" help:"Run only these variants of the main table (default: all)."`
+	Rates        []int      `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
+	RateEvents   int        `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
+	Plot         string     `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png)."`
 }
 
 func (b *benchCmd) Validate() error {
@@ -56,6 +59,12 @@ func (b *benchCmd) Validate() error {
 	}
 	if b.Rounds < 1 {
 		return fmt.Errorf("--rounds must be at least 1")
+	}
+	if slices.ContainsFunc(b.Rates, func(r int) bool { return r < 1 }) || b.RateEvents < 100 {
+		return fmt.Errorf("every --rate must be at least 1 event/s, and --rate-events at least 100")
+	}
+	if ext := filepath.Ext(b.Plot); b.Plot != "" && ext != ".svg" && ext != ".png" {
+		return fmt.Errorf("--plot %s: want a .svg or .png file", b.Plot)
 	}
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
@@ -71,7 +80,8 @@ var benchVariants = []struct{ name, what string }{
 	{"L2B", "database limit, batched: the same, %d events per transaction, %d at once"},
 	{"B", "baseline: subscriber + upsert in a transaction, no dedup (unsafe)"},
 	{"P", "the idempotent pipeline, per event"},
-	{"PB", "the idempotent pipeline, batched (%d per transaction, %d at once)"},
+	{"PB", "the idempotent pipeline, batched (up to %d per transaction, %d at once; a batch leaves when a slot is free and no more events are on their way)"},
+	{"PBW", "the same, each batch waiting up to 5 ms to fill (WaitToFill: the group commit before it was adaptive)"},
 	{"Peer", "the style guide's Python consumer (aiokafka + asyncpg)"},
 }
 
@@ -172,13 +182,43 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		line.Set("sweep: %d partitions", p)
 		sweep = append(sweep, sweepRow{p, measure("P", p, counts[p]), measure("PB", p, counts[p])})
 	}
+	var offered []rateRow
+	for _, rate := range b.Rates {
+		row := rateRow{rate: rate}
+		for _, variant := range []string{"P", "PB"} {
+			// A topic per measurement: a group reads from the oldest
+			// offset, and must not read the events another one was
+			// measured with.
+			topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
+			if err := pipeline.EnsureTopics(ctx, b.Brokers, version, pipeline.KafkaSecurity{}, b.Partitions, 1, topic); err != nil {
+				return err
+			}
+			topics = append(topics, topic)
+			line.Set("offered load: %s at %d events/s", variant, rate)
+			measurements++
+			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
+			groups = append(groups, group)
+			f, err := b.atRate(ctx, d, admin, version, variant, topic, group, rate, started)
+			if err != nil {
+				line.Done()
+				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
+				f = benchFigures{Variant: variant, Skipped: err.Error()}
+			}
+			if variant == "P" {
+				row.p = f
+			} else {
+				row.pb = f
+			}
+		}
+		offered = append(offered, row)
+	}
 	line.Done()
 
 	w := d.stdout
 	fmt.Fprintf(w, "once bench: %d events on %d partitions, %d round(s) (sweep: %d events), batch %d; PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n\n",
 		b.Events, b.Partitions, b.Rounds, b.SweepEvents, b.BatchSize, server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
 	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(t, "variant\t events/s\t rounds\t p50 ms\t p99 ms\t peak RSS MiB\twhat")
+	fmt.Fprintln(t, "variant\t events/s\t rounds\t p50 ms\t p99 ms\t p99.9 ms\t CPU us/event\t peak RSS MiB\twhat")
 	for _, v := range benchVariants {
 		f, ok := main[v.name]
 		if !ok {
@@ -189,14 +229,17 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			what = fmt.Sprintf(what, b.BatchSize, b.BatchConc)
 		}
 		if f.Skipped != "" {
-			fmt.Fprintf(t, "%s\t%9s\t%s\t%7s\t%7s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", "-", what, f.Skipped)
+			fmt.Fprintf(t, "%s\t%9s\t%s\t%7s\t%7s\t%8s\t%12s\t%13s\t%s: skipped (%s)\n", v.name, "-", "-", "-", "-", "-", "-", "-", what, f.Skipped)
 			continue
 		}
-		lat50, lat99 := fmt.Sprintf("%.2f", f.P50ms), fmt.Sprintf("%.2f", f.P99ms)
+		lat50, lat99, lat999, cpu := fmt.Sprintf("%.2f", f.P50ms), fmt.Sprintf("%.2f", f.P99ms), fmt.Sprintf("%.2f", f.P999ms), fmt.Sprintf("%.1f", f.CPUus)
 		if v.name == "Peer" || v.name == "L1" {
-			lat50, lat99 = "-", "-"
+			lat50, lat99, lat999 = "-", "-", "-"
 		}
-		fmt.Fprintf(t, "%s\t%9.0f\t%s\t%7s\t%7s\t%13.0f\t%s\n", v.name, f.rate(), spread[v.name], lat50, lat99, float64(f.PeakRSSKiB)/1024, what)
+		if v.name == "Peer" {
+			cpu = "-"
+		}
+		fmt.Fprintf(t, "%s\t%9.0f\t%s\t%7s\t%7s\t%8s\t%12s\t%13.0f\t%s\n", v.name, f.rate(), spread[v.name], lat50, lat99, lat999, cpu, float64(f.PeakRSSKiB)/1024, what)
 	}
 	t.Flush()
 
@@ -214,6 +257,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	ratio("P/L2", "P", "L2")
 	ratio("PB/P", "PB", "P")
 	ratio("PB/L2B", "PB", "L2B")
+	ratio("PB/PBW", "PB", "PBW")
 	ratio("L2/L2B", "L2", "L2B")
 	ratio("P/Peer", "P", "Peer")
 	ratio("PB/Peer", "PB", "Peer")
@@ -231,7 +275,29 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		}
 		t.Flush()
 	}
-	fmt.Fprintln(w, "\nlatency: from a message entering the group's chain (P, PB, B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's.")
+	if len(offered) > 0 {
+		fmt.Fprintf(w, "\noffered load (%d events each, produced at the rate while consumed; %d partitions; latencies in ms, from each event's production to its commit)\n", b.RateEvents, b.Partitions)
+		t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\t")
+		for _, r := range offered {
+			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
+		}
+		t.Flush()
+	}
+	if b.Plot != "" {
+		pts := benchPlot{}
+		for _, r := range sweep {
+			pts.sweep = append(pts.sweep, plotSweep{partitions: r.partitions, p: r.p, pb: r.pb})
+		}
+		for _, r := range offered {
+			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb})
+		}
+		if err := pts.save(b.Plot); err != nil {
+			return fmt.Errorf("--plot %s: %w", b.Plot, err)
+		}
+		fmt.Fprintf(w, "\npicture: %s\n", b.Plot)
+	}
+	fmt.Fprintln(w, "\nlatency: from a message entering the group's chain (P, PB, B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
 	for _, f := range main {
 		if f.Skipped != "" && f.Variant != "Peer" {
 			return fmt.Errorf("bench: %s failed: %s", f.Variant, f.Skipped)
@@ -252,8 +318,51 @@ const (
 
 var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
 
+// rateRow is one offered load's figures.
+type rateRow struct {
+	rate  int
+	p, pb benchFigures
+}
+
+// atRate measures variant while events are produced at rate: the consumer
+// joins its group first, so that it reads them as they come, not a
+// backlog.
+func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin, version sarama.KafkaVersion, variant, topic, group string, rate int, since time.Time) (benchFigures, error) {
+	type result struct {
+		f   benchFigures
+		err error
+	}
+	done := make(chan result, 1)
+	childCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() {
+		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), since, "--from-produce")
+		done <- result{f, err}
+	}()
+	joined := time.Now().Add(time.Minute)
+	for {
+		groups, err := admin.DescribeConsumerGroups([]string{group})
+		if err == nil && len(groups) == 1 && groups[0].State == "Stable" && len(groups[0].Members) > 0 {
+			break
+		}
+		select {
+		case r := <-done:
+			return r.f, fmt.Errorf("the consumer ended before it joined its group: %v", r.err)
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(joined) {
+			return benchFigures{}, fmt.Errorf("the consumer did not join group %s within a minute", group)
+		}
+	}
+	if err := publishAtRate(ctx, b.Brokers, version, topic, b.RateEvents, rate); err != nil {
+		return benchFigures{}, err
+	}
+	r := <-done
+	return r.f, r.err
+}
+
 // child runs one measurement in a process of its own and adds its peak RSS.
-func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int, since time.Time) (benchFigures, error) {
+func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int, since time.Time, extra ...string) (benchFigures, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return benchFigures{}, err
@@ -263,6 +372,7 @@ func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group stri
 		"--kafka-brokers", strings.Join(b.Brokers, ","), "--kafka-version", b.KafkaVersion,
 		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(max(partitions+4, 8)),
 		"--clear-after", "--claims-since", since.Format(time.RFC3339Nano)}
+	args = append(args, extra...)
 	cmd := exec.CommandContext(ctx, self, args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, d.stderr

@@ -1,0 +1,40 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The picture has its three charts, in SVG and PNG, from figures alone.
+func TestBenchPlotDrawsTheSweepAndTheOfferedLoads(t *testing.T) {
+	f := func(rate, p99 float64) benchFigures {
+		return benchFigures{Events: int(rate), Seconds: 1, P50ms: p99 / 4, P99ms: p99}
+	}
+	b := benchPlot{
+		sweep:   []plotSweep{{1, f(900, 3), f(5000, 9)}, {12, f(3000, 8), f(25000, 40)}},
+		offered: []plotRate{{500, f(500, 4), f(500, 6)}, {1000, f(1000, 5), f(1000, 9)}},
+	}
+	dir := t.TempDir()
+	svg := filepath.Join(dir, "bench.svg")
+	if err := b.save(svg); err != nil {
+		t.Fatal(err)
+	}
+	out, _ := os.ReadFile(svg)
+	for _, want := range []string{"Throughput by partitions", "p99 latency by partitions", "Latency by offered load", "PB p99"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("the SVG has no %q", want)
+		}
+	}
+	png := filepath.Join(dir, "bench.png")
+	if err := b.save(png); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(png); err != nil || st.Size() < 1000 {
+		t.Fatalf("the PNG: %v, %v", st, err)
+	}
+	if err := (benchPlot{}).save(svg); err == nil {
+		t.Fatal("an empty picture was drawn")
+	}
+}
