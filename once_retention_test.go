@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/once-dev/once"
@@ -150,7 +152,8 @@ func TestTheFrontDoorUnderALeastPrivilegeRole(t *testing.T) {
 	q("GRANT SELECT ON " + tables.RetentionPolicy().Qualified + " TO " + role)
 
 	logs := &testenv.Logs{}
-	svc, err := once.New(ctx, once.Config{Brokers: brokers, DB: testenv.PoolAs(t, admin, role), Tables: tables,
+	registry := prometheus.NewRegistry()
+	svc, err := once.New(ctx, once.Config{Brokers: brokers, DB: testenv.PoolAs(t, admin, role), Tables: tables, Registry: registry,
 		MaintenanceInterval: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
 		Topics: []once.Binding{once.Topic[ping]{Name: testenv.Topic(t, brokers, 1), Decode: decodePing,
 			Groups: []once.Group[ping]{{Name: "least-" + uuid.NewString()[:8], Handle: func(context.Context, pgx.Tx, ping) error { return nil }}}}}})
@@ -161,5 +164,22 @@ func TestTheFrontDoorUnderALeastPrivilegeRole(t *testing.T) {
 	time.Sleep(time.Second) // about ten maintenance passes
 	if n := strings.Count(logs.String(), "may not run retention passes"); n != 1 || strings.Contains(logs.String(), "level=ERROR") {
 		t.Fatalf("the denied retention said %d times (want once), errors logged:\n%s", n, logs.String())
+	}
+	// The denied passes are not failed ones (review finding: each counted).
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "once_retention_passes_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == "failed" && m.GetCounter().GetValue() > 0 {
+					t.Fatalf("%v denied passes counted as failed", m.GetCounter().GetValue())
+				}
+			}
+		}
 	}
 }

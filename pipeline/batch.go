@@ -87,8 +87,17 @@ type batchEntry struct {
 	// are re-run one by one, in order.
 	runAlone bool
 	since    time.Time
-	result   chan error // buffered: the batch never waits for its reader
+	// handedOut: when the subscriber last handed it out; zero while it
+	// waits to be handed out again. See handOff.
+	handedOut time.Time
+	result    chan error // buffered: the batch never waits for its reader
 }
+
+// handOff is how long a message handed out may take to reach the claim
+// (decoding, a team's Observe and BeforeClaim) and still be waited for by a
+// batch that could leave. One that takes longer is held or slow, and a batch
+// that waited for it would pay up to MaxWait for nothing.
+const handOff = 2 * time.Millisecond
 
 func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error,
 	inTx []message.HandlerMiddleware, cfg Batch) *batcher {
@@ -110,7 +119,7 @@ func (b *batcher) announce(msg *message.Message) {
 	defer b.mu.Unlock()
 	if e := b.entries[ek]; e != nil {
 		// Handed out again after it was given back: still in its place.
-		e.state, e.msg, e.runAlone = announced, nil, false
+		e.state, e.msg, e.runAlone, e.handedOut = announced, nil, false, time.Now()
 		return
 	}
 	q := b.queues[key]
@@ -118,7 +127,7 @@ func (b *batcher) announce(msg *message.Message) {
 		q = new([]*batchEntry)
 		b.queues[key] = q
 	}
-	e := &batchEntry{key: ek, offset: offset, queue: key}
+	e := &batchEntry{key: ek, offset: offset, queue: key, handedOut: time.Now()}
 	// In offset order, so that a message handed out again lands before
 	// those that followed it.
 	i, _ := slices.BinarySearchFunc(*q, offset, func(e *batchEntry, o int64) int { return int(e.offset - o) })
@@ -150,7 +159,7 @@ func (b *batcher) leave(msg *message.Message, keepPlace bool) {
 		return
 	}
 	if keepPlace {
-		e.state, e.msg, e.runAlone = announced, nil, false
+		e.state, e.msg, e.runAlone, e.handedOut = announced, nil, false, time.Time{}
 	} else {
 		b.remove(e)
 	}
@@ -281,6 +290,7 @@ func (b *batcher) awaitTurn(msg *message.Message, e *batchEntry) error {
 		b.mu.Lock()
 		if b.isHead(e) {
 			e.state, e.runAlone = alone, false
+			b.signal() // no longer on its way to a batch
 			b.mu.Unlock()
 			return nil
 		}
@@ -371,7 +381,8 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 	}()
 	for {
 		b.mu.Lock()
-		ready, oldest, onTheirWay := b.ready()
+		ready, oldest, arriving := b.ready()
+		onTheirWay := !arriving.IsZero()
 		if len(ready) >= b.cfg.Size || (len(ready) > 0 && ((!onTheirWay && !b.cfg.WaitToFill) || time.Since(oldest) >= b.cfg.MaxWait)) {
 			ready = ready[:min(len(ready), b.cfg.Size)]
 			items := make([]batchItem, len(ready))
@@ -389,10 +400,16 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 		b.mu.Unlock()
 		var fire <-chan time.Time
 		if len(ready) > 0 {
+			// At the latest when the oldest waited MaxWait; before that,
+			// when the messages on their way stop counting as such.
+			wait := b.cfg.MaxWait - time.Since(oldest)
+			if !b.cfg.WaitToFill {
+				wait = min(wait, time.Until(arriving.Add(handOff)))
+			}
 			if timer == nil {
-				timer = time.NewTimer(b.cfg.MaxWait - time.Since(oldest))
+				timer = time.NewTimer(wait)
 			} else {
-				timer.Reset(b.cfg.MaxWait - time.Since(oldest))
+				timer.Reset(wait)
 			}
 			fire = timer.C
 		}
@@ -407,9 +424,10 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 
 // ready lists the waiting messages that may join a batch: every message
 // before them in their partition is done; and whether more could join it
-// soon: handed out, on their way to the claim, with nothing before them
-// that is not in the list or done. Caller holds b.mu.
-func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, onTheirWay bool) {
+// soon: handed out less than handOff ago, on their way to the claim, with
+// nothing before them that is not in the list or done (arriving is when
+// the latest of them was handed out; zero for none). Caller holds b.mu.
+func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.Time) {
 	for key, q := range b.queues {
 		if key.owner.Err() != nil {
 			// The session ended: its messages are the next owner's. Those
@@ -443,18 +461,20 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, onTheirWay boo
 					oldest = e.since
 				}
 				if len(ready) >= b.cfg.Size {
-					return ready, oldest, onTheirWay
+					return ready, oldest, arriving
 				}
 				continue
 			}
 			// Announced, in a batch or alone: its followers wait. One
-			// announced (everything before it is done or in this list) is
-			// on its way to this batch.
-			onTheirWay = onTheirWay || e.state == announced
+			// handed out just now (everything before it is done or in this
+			// list) is on its way to this batch.
+			if e.state == announced && !e.handedOut.IsZero() && time.Since(e.handedOut) < handOff && e.handedOut.After(arriving) {
+				arriving = e.handedOut
+			}
 			break
 		}
 	}
-	return ready, oldest, onTheirWay
+	return ready, oldest, arriving
 }
 
 // commit runs one batch and hands each message its result. The batch's

@@ -199,6 +199,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				letter := p.letter(t, g, msg, err)
 				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
+				var heldSince time.Time
 				for attempt := 1; ; attempt++ {
 					parked, perr := p.park(msg, g.db, delivery(t.name, g.name, msg), letter)
 					if perr == nil && !parked {
@@ -212,7 +213,8 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					if attempt == 1 {
 						// Held like any message the environment fails: the
 						// status and once_held_messages show it.
-						p.holding(msg, t.name, g.name, time.Now())
+						heldSince = time.Now()
+						p.holding(msg, t.name, g.name, heldSince)
 						defer p.released(msg)
 					}
 					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
@@ -220,7 +222,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					if p.cfg.Hooks.OnHeld != nil {
 						// Held as the environment's failures are: the hook
 						// (and its metric) sees it too.
-						p.cfg.Hooks.OnHeld(Held{Delivery: delivery(t.name, g.name, msg), Attempts: attempt, Err: fmt.Errorf("write the dead letter: %w", perr)})
+						p.cfg.Hooks.OnHeld(Held{Delivery: delivery(t.name, g.name, msg), Attempts: attempt, Since: time.Since(heldSince), Err: fmt.Errorf("write the dead letter: %w", perr)})
 					}
 					if werr := p.pause(msg, revoked, wait); werr != nil {
 						return nil, fmt.Errorf("%w: %w", werr, perr)

@@ -357,7 +357,7 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 		_, _ = e.Pool.Exec(ctx, `DROP FUNCTION IF EXISTS `+fn+`(); DROP SEQUENCE IF EXISTS `+fn+`_tries`)
 	})
 	r := &recorder{group: uniqueGroup("unparkable")}
-	var deadLetters, heldHooks atomic.Int64
+	var deadLetters, heldHooks, heldLongest atomic.Int64
 	cfg := e.config(group(r))
 	cfg.HoldBackoff = 20 * time.Millisecond
 	cfg.HoldMaxBackoff = 100 * time.Millisecond
@@ -365,6 +365,9 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 	cfg.Hooks.OnHeld = func(h pipeline.Held) {
 		if strings.Contains(h.Err.Error(), "write the dead letter") {
 			heldHooks.Add(1)
+			if int64(h.Since) > heldLongest.Load() {
+				heldLongest.Store(int64(h.Since))
+			}
 		}
 	}
 	p, err := pipeline.New(cfg)
@@ -393,6 +396,10 @@ CREATE TRIGGER `+fn+` BEFORE INSERT ON once_dead_letter FOR EACH ROW EXECUTE FUN
 	}
 	if deadLetters.Load() != 0 {
 		t.Fatal("dead-lettered while its letter could not be written")
+	}
+	testenv.Eventually(t, 10*time.Second, "OnHeld told a second try", func() bool { return heldHooks.Load() >= 2 })
+	if time.Duration(heldLongest.Load()) < cfg.HoldBackoff/2 {
+		t.Fatalf("OnHeld's Since after %d tries is %v; want the time held (review finding: it was always 0)", heldHooks.Load(), time.Duration(heldLongest.Load()))
 	}
 	dropTrigger()
 	testenv.Eventually(t, 30*time.Second, "the dead letter written", func() bool { return deadLetters.Load() == 1 })
