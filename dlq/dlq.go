@@ -345,3 +345,16 @@ func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*s
 		return nil, ctx.Err()
 	}
 }
+
+// ReadLetter returns the letter at partition and offset of cfg.DLQTopic
+// (cfg's Brokers and Sarama reach it), for a person to look at.
+func ReadLetter(ctx context.Context, cfg Config, partition int32, offset int64) (Entry, error) {
+	if len(cfg.Brokers) == 0 || cfg.DLQTopic == "" || cfg.Sarama == nil {
+		return Entry{}, errors.New("dlq: Brokers, Sarama and DLQTopic are required")
+	}
+	m, err := readOne(ctx, cfg, partition, offset)
+	if err != nil {
+		return Entry{}, err
+	}
+	return entryOf(m), nil
+}
