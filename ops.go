@@ -8,6 +8,10 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/once-dev/once/console"
+	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/pipeline"
 )
 
 // Handler answers the operations endpoints: GET /metrics (Prometheus, the
@@ -51,4 +55,30 @@ func (s *Service) Ready(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// Console returns the web console of this service (package console), for a
+// listener of your own under cfg.Prefix (/console): cfg's Brokers, Sarama,
+// Routes, Databases, Tables and Groups are the service's own, the other
+// settings (Token above all; without it the console is read-only) are
+// cfg's. Serve it on loopback, or behind a proxy that authenticates.
+func (s *Service) Console(cfg console.Config) (*console.Console, error) {
+	version, err := pipeline.ParseKafkaVersion(s.cfg.KafkaVersion)
+	if err != nil {
+		return nil, settingError("KafkaVersion", err)
+	}
+	sc := pipeline.PublisherSaramaConfig(version)
+	s.cfg.Security.Apply(sc)
+	cfg.Brokers, cfg.Sarama, cfg.Tables, cfg.Groups = s.cfg.Brokers, sc, s.cfg.Tables, s.pipeline
+	cfg.Routes, cfg.Databases = nil, nil
+	for _, t := range s.pipeline.Topics() {
+		cfg.Routes = append(cfg.Routes, dlq.Route{Topic: t.Name, DLQTopic: t.DLQ})
+	}
+	for _, db := range s.dbs {
+		cfg.Databases = append(cfg.Databases, console.Database{Name: db.name, DB: db.pool})
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = s.cfg.Logger
+	}
+	return console.New(cfg)
 }

@@ -257,3 +257,104 @@ func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessa
 	rep.ByTopic[topic]++
 	return nil
 }
+
+// Route is a topic and the dead-letter topic of its letters.
+type Route struct {
+	Topic, DLQTopic string
+}
+
+// ReplayRoutes runs [Replay] for each route in turn (cfg's Topic and
+// DLQTopic are each route's) and adds up their reports: what app dlq replay
+// and the console's replay of a filtered group both run. It stops at the
+// first route that fails, with the report so far.
+func ReplayRoutes(ctx context.Context, cfg Config, routes []Route) (Report, error) {
+	total := Report{ByTopic: map[string]int64{}}
+	for _, r := range routes {
+		cfg.Topic, cfg.DLQTopic = r.Topic, r.DLQTopic
+		rep, err := Replay(ctx, cfg)
+		total.add(rep)
+		if err != nil {
+			return total, err
+		}
+	}
+	return total, nil
+}
+
+func (r *Report) add(o Report) {
+	r.Replayed += o.Replayed
+	r.SkippedStale += o.SkippedStale
+	r.Filtered += o.Filtered
+	r.NotYet += o.NotYet
+	for t, n := range o.ByTopic {
+		r.ByTopic[t] += n
+	}
+}
+
+// ReplayLetter republishes the one letter at partition and offset of
+// cfg.DLQTopic, if cfg's Filter selects it and it is within cfg.MaxAge (the
+// report says which). It moves no replay progress: a later [Replay] that
+// reaches it republishes it again, a duplicate the consumers' claims make
+// harmless, never a letter lost.
+func ReplayLetter(ctx context.Context, cfg Config, partition int32, offset int64) (Report, Entry, error) {
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if len(cfg.Brokers) == 0 || cfg.DLQTopic == "" || cfg.Topic == "" || cfg.Sarama == nil {
+		return Report{}, Entry{}, errors.New("dlq: Brokers, Sarama, DLQTopic and Topic are required")
+	}
+	m, err := readOne(ctx, cfg, partition, offset)
+	if err != nil {
+		return Report{}, Entry{}, err
+	}
+	pc := *cfg.Sarama
+	pc.Producer.Return.Successes = true
+	producer, err := sarama.NewSyncProducer(cfg.Brokers, &pc)
+	if err != nil {
+		return Report{}, Entry{}, fmt.Errorf("dlq: producer: %w", err)
+	}
+	defer producer.Close()
+	rep := Report{ByTopic: map[string]int64{}}
+	err = replayOne(cfg, producer, m, &rep)
+	return rep, entryOf(m), err
+}
+
+// readOne reads the record at partition and offset of cfg.DLQTopic.
+func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*sarama.ConsumerMessage, error) {
+	cc := sarama.NewConfig()
+	cc.Version = cfg.Sarama.Version
+	cc.ClientID = cfg.Sarama.ClientID
+	cc.Net = cfg.Sarama.Net
+	consumer, err := sarama.NewConsumer(cfg.Brokers, cc)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: connect: %w", err)
+	}
+	defer consumer.Close()
+	pc, err := consumer.ConsumePartition(cfg.DLQTopic, partition, offset)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: read %s/%d@%d: %w", cfg.DLQTopic, partition, offset, err)
+	}
+	defer pc.Close()
+	select {
+	case m := <-pc.Messages():
+		if m.Offset != offset {
+			// Compacted or deleted: the next record is another letter.
+			return nil, fmt.Errorf("dlq: %s/%d@%d is gone (retention removed it)", cfg.DLQTopic, partition, offset)
+		}
+		return m, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// ReadLetter returns the letter at partition and offset of cfg.DLQTopic
+// (cfg's Brokers and Sarama reach it), for a person to look at.
+func ReadLetter(ctx context.Context, cfg Config, partition int32, offset int64) (Entry, error) {
+	if len(cfg.Brokers) == 0 || cfg.DLQTopic == "" || cfg.Sarama == nil {
+		return Entry{}, errors.New("dlq: Brokers, Sarama and DLQTopic are required")
+	}
+	m, err := readOne(ctx, cfg, partition, offset)
+	if err != nil {
+		return Entry{}, err
+	}
+	return entryOf(m), nil
+}

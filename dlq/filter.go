@@ -66,6 +66,8 @@ type Entry struct {
 	Reason    string
 	EventTime time.Time // from the event id, else the record's timestamp
 	LetterAt  time.Time // when it reached the dead-letter topic
+	Payload   []byte
+	Headers   map[string]string
 }
 
 // Matches reports whether f selects e, at now.
@@ -77,8 +79,10 @@ func (f Filter) Matches(e Entry, now time.Time) bool {
 }
 
 func entryOf(m *sarama.ConsumerMessage) Entry {
-	e := Entry{DLQTopic: m.Topic, Partition: m.Partition, Offset: m.Offset, EventTime: eventTime(m), LetterAt: m.Timestamp}
+	e := Entry{DLQTopic: m.Topic, Partition: m.Partition, Offset: m.Offset, EventTime: eventTime(m), LetterAt: m.Timestamp,
+		Payload: m.Value, Headers: make(map[string]string, len(m.Headers))}
 	for _, h := range m.Headers {
+		e.Headers[string(h.Key)] = string(h.Value)
 		switch string(h.Key) {
 		case middleware.PoisonedTopicKey:
 			e.Topic = string(h.Value)

@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/once-dev/once/internal/durable"
@@ -371,6 +373,7 @@ RETURNING id, topic, key, payload, headers, attempts`, cfg.Lease.Seconds(), batc
 type Parked struct {
 	ID        int64
 	Topic     string
+	Payload   []byte
 	Headers   map[string]string
 	CreatedAt time.Time
 	Attempts  int
@@ -379,14 +382,14 @@ type Parked struct {
 
 // List returns the parked letters, oldest first.
 func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, error) {
-	rows, err := db.Query(ctx, `SELECT id, topic, headers, created_at, attempts, coalesce(last_error, '') FROM `+s.table+` ORDER BY id LIMIT $1`, limit)
+	rows, err := db.Query(ctx, `SELECT id, topic, payload, headers, created_at, attempts, coalesce(last_error, '') FROM `+s.table+` ORDER BY id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("dlq: list parked letters: %w", err)
 	}
 	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Parked, error) {
 		var p Parked
 		var headers []byte
-		if err := row.Scan(&p.ID, &p.Topic, &headers, &p.CreatedAt, &p.Attempts, &p.LastError); err != nil {
+		if err := row.Scan(&p.ID, &p.Topic, &p.Payload, &headers, &p.CreatedAt, &p.Attempts, &p.LastError); err != nil {
 			return p, err
 		}
 		// An unreadable row is listed too, headers left out: it is the one a
@@ -396,4 +399,32 @@ func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, erro
 		}
 		return p, nil
 	})
+}
+
+// Entry is the letter as [List] would report it once it is on its topic,
+// for [Filter.Matches]: where it came from and why, and its age counted
+// from when it was parked (its event's time is in a payload that may not
+// decode).
+func (p Parked) Entry() Entry {
+	return Entry{DLQTopic: p.Topic, Partition: -1, Offset: -1, EventID: eventIDOf(p.Payload),
+		Topic: p.Headers[middleware.PoisonedTopicKey], Group: p.Headers[middleware.PoisonedHandlerKey],
+		Reason: p.Headers[middleware.ReasonForPoisonedKey], EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
+		Payload: p.Payload, Headers: p.Headers}
+}
+
+// ListMatching returns the parked letters for topics (every topic when
+// empty) that f selects at now, oldest first, reading at most limit rows:
+// what app dlq list and the console show as parked.
+func (s *Store) ListMatching(ctx context.Context, db pgdb.DB, topics []string, f Filter, limit int, now time.Time) ([]Parked, error) {
+	all, err := s.List(ctx, db, limit)
+	if err != nil {
+		return nil, err
+	}
+	var out []Parked
+	for _, p := range all {
+		if (len(topics) == 0 || slices.Contains(topics, p.Topic)) && f.Matches(p.Entry(), now) {
+			out = append(out, p)
+		}
+	}
+	return out, nil
 }

@@ -217,6 +217,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 						p.holding(msg, t.name, g.name, heldSince)
 						defer p.released(msg)
 					}
+					p.holdFailed(msg, attempt, fmt.Errorf("write the dead letter: %w", perr))
 					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
 						"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "attempt", attempt, "err", perr)
 					if p.cfg.Hooks.OnHeld != nil {
@@ -325,6 +326,7 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 					p.holding(msg, topic, group, heldSince)
 					defer p.released(msg)
 				}
+				p.holdFailed(msg, attempt, err)
 				if !p.stopped(msg) && !isClosed(revoked) {
 					if p.cfg.Hooks.OnHeld != nil {
 						p.cfg.Hooks.OnHeld(Held{Delivery: delivery(topic, group, msg), Attempts: attempt, Since: time.Since(heldSince), Err: err})

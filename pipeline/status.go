@@ -67,6 +67,46 @@ type groupRef struct {
 type holdEntry struct {
 	topic, group string
 	since        time.Time
+	msg          *message.Message
+	attempts     int
+	err          error
+}
+
+// HeldMessage is one message held now: where it is, since when, and why its
+// last attempt failed.
+type HeldMessage struct {
+	Topic, Group string
+	Partition    int32
+	Offset       int64
+	Key          string
+	Since        time.Time
+	Attempts     int
+	// Err is the last attempt's error; nil before the first is reported.
+	Err error
+}
+
+// Holds returns the messages held now, the longest held first.
+func (p *Pipeline) Holds() []HeldMessage {
+	p.holdsMu.Lock()
+	out := make([]HeldMessage, 0, len(p.holds))
+	for _, h := range p.holds {
+		d := delivery(h.topic, h.group, h.msg)
+		out = append(out, HeldMessage{Topic: h.topic, Group: h.group, Partition: d.Partition, Offset: d.Offset, Key: d.Key,
+			Since: h.since, Attempts: h.attempts, Err: h.err})
+	}
+	p.holdsMu.Unlock()
+	slices.SortFunc(out, func(a, b HeldMessage) int { return a.Since.Compare(b.Since) })
+	return out
+}
+
+// holdFailed records a held message's failed attempt, for Holds.
+func (p *Pipeline) holdFailed(msg *message.Message, attempt int, err error) {
+	p.holdsMu.Lock()
+	defer p.holdsMu.Unlock()
+	if h, ok := p.holds[msg]; ok {
+		h.attempts, h.err = attempt, err
+		p.holds[msg] = h
+	}
 }
 
 func (p *Pipeline) holding(msg *message.Message, topic, group string, since time.Time) {
@@ -75,7 +115,7 @@ func (p *Pipeline) holding(msg *message.Message, topic, group string, since time
 	if p.holds == nil {
 		p.holds = map[*message.Message]holdEntry{}
 	}
-	p.holds[msg] = holdEntry{topic: topic, group: group, since: since}
+	p.holds[msg] = holdEntry{topic: topic, group: group, since: since, msg: msg}
 }
 
 func (p *Pipeline) released(msg *message.Message) {

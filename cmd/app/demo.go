@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/once-dev/once"
 	"github.com/once-dev/once/internal/demo"
 	"github.com/once-dev/once/migrations"
 )
@@ -75,7 +76,11 @@ func (c *demoCmd) Run(ctx context.Context, d deps) error {
 		DB: pool, ProviderDB: providerPool, Brokers: c.Kafka.Brokers, KafkaVersion: c.Kafka.KafkaVersion, Partitions: c.Kafka.Partitions,
 		Orders: c.Orders, RepublishShare: c.RepublishShare, DeclineShare: c.DeclineShare, PoisonMessages: c.Poison,
 		ResetRate: c.ResetRate, CancelShare: c.CancelShare, Timeout: c.Timeout, Progress: d.stderr, Logger: log,
-		Registry: o.reg, OnService: o.attach, OnPaymentAttempt: o.paymentAttempt,
+		Registry: o.reg, OnService: func(svc *once.Service) {
+			if err := o.attach(svc); err != nil {
+				log.Error("the console is off", "err", err)
+			}
+		}, OnPaymentAttempt: o.paymentAttempt,
 	})
 	if err != nil {
 		return err

@@ -102,15 +102,12 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 		if err != nil {
 			return err
 		}
-		letters, err := store.List(ctx, pool, c.Limit)
+		letters, err := store.ListMatching(ctx, pool, dlqs, f, c.Limit, now)
 		if err != nil {
 			return fmt.Errorf("--database-url (DATABASE_URL): %w", err)
 		}
 		for _, l := range letters {
-			e := dlq.Entry{Topic: l.Headers["topic_poisoned"], Group: l.Headers["handler_poisoned"], Reason: l.Headers["reason_poisoned"], EventTime: l.CreatedAt}
-			if !slices.Contains(dlqs, l.Topic) || !f.Matches(e, now) {
-				continue
-			}
+			e := l.Entry()
 			parked++
 			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), orDash(e.Topic), orDash(e.Group),
 				now.Sub(l.CreatedAt).Round(time.Second), oneLine(e.Reason, 100))
@@ -155,24 +152,16 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	f, _ := c.Filter.filter(&c.Kafka)
 	p := progress.New(d.stderr)
 	defer p.Done()
-	var total dlq.Report
-	total.ByTopic = map[string]int64{}
+	var routes []dlq.Route
 	for _, topic := range c.Kafka.topics(c.Kafka.TopicSuffix) {
-		rep, err := dlq.Replay(ctx, dlq.Config{
-			Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(),
-			DLQTopic: dlqOf(topic), Topic: topic, Group: c.Group, MaxAge: c.MaxAge, Filter: f,
-			Progress: func(done, n int64) { p.Set("replaying %s: %d/%d", dlqOf(topic), done, n) },
-		})
-		if err != nil {
-			return err
-		}
-		total.Replayed += rep.Replayed
-		total.SkippedStale += rep.SkippedStale
-		total.Filtered += rep.Filtered
-		total.NotYet += rep.NotYet
-		for t, n := range rep.ByTopic {
-			total.ByTopic[t] += n
-		}
+		routes = append(routes, dlq.Route{Topic: topic, DLQTopic: dlqOf(topic)})
+	}
+	total, err := dlq.ReplayRoutes(ctx, dlq.Config{
+		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f,
+		Progress: func(done, n int64) { p.Set("replaying: %d/%d", done, n) },
+	}, routes)
+	if err != nil {
+		return err
 	}
 	p.Done()
 	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",

@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/inbox"
+	"github.com/once-dev/once/schema"
 )
 
 type inboxCmd struct {
@@ -76,31 +78,18 @@ func (c *inboxStatusCmd) Validate() error {
 
 func (c *inboxStatusCmd) Run(ctx context.Context, d deps) error {
 	id, _ := parseEventID(c.EventID)
-	type claim struct {
-		group string
-		at    time.Time
-		sum   []byte
-	}
-	var claims []claim
+	var claims []inbox.Claim
 	for _, db := range claimDatabases(c.DB, c.GroupDatabases, c.Group) {
 		pool, err := db.connect(ctx)
 		if err != nil {
 			return err
 		}
-		rows, err := pool.Query(ctx, `SELECT consumer_group, processed_at, payload_sha256 FROM processed_event
-WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group`, id, c.Group)
-		if err == nil {
-			var found []claim
-			found, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (claim, error) {
-				var cl claim
-				return cl, r.Scan(&cl.group, &cl.at, &cl.sum)
-			})
-			claims = append(claims, found...)
-		}
+		found, err := inbox.Lookup(ctx, pool, schema.Config{}, id, c.Group)
 		pool.Close()
 		if err != nil {
 			return fmt.Errorf("%s: %w", db.setting(), err)
 		}
+		claims = append(claims, found...)
 	}
 	sec, nsec := id.Time().UnixTime()
 	fmt.Fprintf(d.stdout, "event %s (from %s)\n", id, time.Unix(sec, nsec).UTC().Format(time.RFC3339))
@@ -115,7 +104,7 @@ WHERE event_id = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY consumer_group
 	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "group\tprocessed at\tpayload sha256")
 	for _, cl := range claims {
-		fmt.Fprintf(w, "%s\t%s\t%s\n", cl.group, cl.at.UTC().Format(time.RFC3339Nano), hex.EncodeToString(cl.sum))
+		fmt.Fprintf(w, "%s\t%s\t%s\n", cl.Group, cl.ProcessedAt.UTC().Format(time.RFC3339Nano), hex.EncodeToString(cl.PayloadSHA256))
 	}
 	return w.Flush()
 }
@@ -146,9 +135,8 @@ func (c *inboxForgetCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pool.Close()
-	var sum []byte
-	err = pool.QueryRow(ctx, `DELETE FROM processed_event WHERE event_id = $1 AND consumer_group = $2 RETURNING payload_sha256`, id, c.Group).Scan(&sum)
-	if errors.Is(err, pgx.ErrNoRows) {
+	sum, err := inbox.Forget(ctx, pool, schema.Config{}, id, c.Group)
+	if errors.Is(err, inbox.ErrNoClaim) {
 		return fmt.Errorf("event %s has no claim by group %s in %s (app inbox status %s lists its claims)", id, c.Group, db.setting(), id)
 	}
 	if err != nil {

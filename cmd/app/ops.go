@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/once-dev/once"
+	"github.com/once-dev/once/console"
 	"github.com/once-dev/once/metrics"
 	"github.com/once-dev/once/payment"
 )
@@ -21,13 +24,37 @@ import (
 type opsSettings struct {
 	OpsListen     string        `name:"ops-listen" env:"ONCE_OPS_LISTEN" default:"127.0.0.1:9464" help:"Address of /metrics (Prometheus), /healthz and /readyz; empty for none."`
 	WatchInterval time.Duration `name:"watch-interval" env:"ONCE_WATCH_INTERVAL" default:"10s" help:"How often consumer lag, held messages and the claim table are read for /metrics."`
+	Console       bool          `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token."`
+	TokenFile     string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
+	ReplayWindow  time.Duration `name:"console-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"The console replays no letter whose event is older than this, as app dlq replay --max-age."`
 }
 
 func (o *opsSettings) Validate() error {
 	if o.WatchInterval < time.Second {
 		return fmt.Errorf("--watch-interval (ONCE_WATCH_INTERVAL) must be at least 1s, got %s", o.WatchInterval)
 	}
+	if o.Console {
+		// The console shows payloads, which may hold personal data: it is
+		// for a person on this host or at the end of a port-forward.
+		host, _, err := net.SplitHostPort(o.OpsListen)
+		if ip := net.ParseIP(host); err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
+			return fmt.Errorf("--console (ONCE_CONSOLE) needs --ops-listen (ONCE_OPS_LISTEN) on a loopback address such as 127.0.0.1:9464, got %q: reach it with a port-forward", o.OpsListen)
+		}
+	}
 	return nil
+}
+
+// consoleToken is the console's token: ONCE_CONSOLE_TOKEN, else the
+// contents of --console-token-file; "" for a read-only console.
+func (o *opsSettings) consoleToken() (string, error) {
+	if t := os.Getenv("ONCE_CONSOLE_TOKEN"); t != "" || o.TokenFile == "" {
+		return t, nil
+	}
+	b, err := os.ReadFile(o.TokenFile)
+	if err != nil {
+		return "", fmt.Errorf("--console-token-file (ONCE_CONSOLE_TOKEN_FILE): %w", err)
+	}
+	return strings.TrimSpace(string(b)), nil
 }
 
 // ops is the process's operating surface: the metrics' registry (the
@@ -39,6 +66,7 @@ type ops struct {
 	payments *prometheus.CounterVec
 	payTime  *prometheus.HistogramVec
 	service  atomic.Pointer[once.Service]
+	console  atomic.Pointer[console.Console]
 }
 
 func newOps(s opsSettings) (*ops, error) {
@@ -60,8 +88,27 @@ func (o *ops) paymentAttempt(a payment.Attempt) {
 	o.payTime.WithLabelValues(a.Path).Observe(a.Duration.Seconds())
 }
 
-// attach makes /readyz the service's.
-func (o *ops) attach(svc *once.Service) { o.service.Store(svc) }
+// attach makes /readyz the service's, and /console its console.
+func (o *ops) attach(svc *once.Service) error {
+	o.service.Store(svc)
+	if !o.settings.Console {
+		return nil
+	}
+	token, err := o.settings.consoleToken()
+	if err != nil {
+		return err
+	}
+	window := o.settings.ReplayWindow
+	if window == 0 {
+		window = -1 // 0 replays all, as app dlq replay --max-age 0
+	}
+	c, err := svc.Console(console.Config{Token: token, ReplayWindow: window})
+	if err != nil {
+		return fmt.Errorf("--console (ONCE_CONSOLE): %w", err)
+	}
+	o.console.Store(c)
+	return nil
+}
 
 // serve answers /metrics, /healthz and /readyz until ctx ends: alive from
 // the start, ready once the service consumes.
@@ -80,6 +127,18 @@ func (o *ops) serve(ctx context.Context, d deps) error {
 		}
 		svc.Handler().ServeHTTP(w, r)
 	})
+	if o.settings.Console {
+		serveConsole := func(w http.ResponseWriter, r *http.Request) {
+			c := o.console.Load()
+			if c == nil {
+				http.Error(w, "console: the service is starting", http.StatusServiceUnavailable)
+				return
+			}
+			c.ServeHTTP(w, r)
+		}
+		mux.HandleFunc(console.DefaultPrefix, serveConsole)
+		mux.HandleFunc(console.DefaultPrefix+"/", serveConsole)
+	}
 	ln, err := net.Listen("tcp", o.settings.OpsListen)
 	if err != nil {
 		return fmt.Errorf("--ops-listen (ONCE_OPS_LISTEN): %w", err)

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -165,6 +166,17 @@ func TestAlertRules(t *testing.T) {
 		}
 		if !strings.Contains(string(out), "SUCCESS") {
 			t.Fatalf("promtool %s said no SUCCESS:\n%s", strings.Join(args, " "), out)
+		}
+	}
+}
+
+// The console shows payloads: it is refused on an ops listener another
+// host can reach, naming both settings.
+func TestTheConsoleNeedsALoopbackOpsListener(t *testing.T) {
+	for listen, ok := range map[string]bool{"127.0.0.1:9464": true, "localhost:9464": true, "[::1]:9464": true, "0.0.0.0:9464": false, ":9464": false} {
+		err := (&opsSettings{OpsListen: listen, WatchInterval: time.Second, Console: true}).Validate()
+		if ok != (err == nil) || (err != nil && (!strings.Contains(err.Error(), "--console (ONCE_CONSOLE)") || !strings.Contains(err.Error(), "--ops-listen (ONCE_OPS_LISTEN)"))) {
+			t.Errorf("--console with --ops-listen %s: %v", listen, err)
 		}
 	}
 }

@@ -161,8 +161,9 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 	svc, err := reference.New(ctx, s.reference(d, client, o))
 	if err == nil {
 		defer svc.Close()
-		o.attach(svc.Service)
-		err = svc.Run(ctx)
+		if err = o.attach(svc.Service); err == nil {
+			err = svc.Run(ctx)
+		}
 	}
 	if err != nil && ctx.Err() != nil && startup.OnlyTheStop(err) {
 		// Asked to stop (SIGTERM) while starting: waiting for Kafka or for

@@ -1,0 +1,233 @@
+package console_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once"
+	"github.com/once-dev/once/console"
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/oncetest"
+	"github.com/once-dev/once/schema"
+)
+
+type order struct {
+	ID    uuid.UUID `json:"event_id"`
+	Price int       `json:"price"`
+}
+
+func (o order) EventID() uuid.UUID { return o.ID }
+
+const token = "console-test-token-0123456789"
+
+// A poison message staged on a real service shows on the letters page with
+// its reason; after the handler is fixed, a replay from the page (signed in,
+// confirmed) takes effect once, and the inbox page says the replay
+// processed it. A request without the token, and a cross-site POST with
+// it, cannot replay. With ONCE_CONSOLE_SCREENSHOTS=docs, each page's
+// screenshot is written to docs/.
+func TestConsoleInABrowser(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	pool := testenv.Postgres(t)
+	chromium := testenv.Chromium(t)
+	tables := schema.Config{Schema: "once_console_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")}
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+tables.Schema+" CASCADE") })
+	topic := testenv.Topic(t, brokers, 1)
+	group := "orders-" + uuid.NewString()[:8]
+
+	var fixed atomic.Bool
+	var effects atomic.Int64
+	svc, err := once.New(context.Background(), once.Config{Brokers: brokers, DatabaseURL: os.Getenv("DATABASE_URL"), Tables: tables,
+		Topics: []once.Binding{once.Topic[order]{Name: topic,
+			Decode: func(b []byte) (o order, err error) { return o, json.Unmarshal(b, &o) },
+			Groups: []once.Group[order]{{Name: group, Handle: func(_ context.Context, _ pgx.Tx, o order) error {
+				if !fixed.Load() && o.Price < 0 {
+					return once.Permanent(errors.New("price must not be negative"))
+				}
+				effects.Add(1)
+				return nil
+			}}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	oncetest.Run(t, svc)
+	con, err := svc.Console(console.Config{Token: token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(con)
+	t.Cleanup(srv.Close)
+
+	poison := order{ID: uuid.Must(uuid.NewV7()), Price: -5}
+	b, _ := json.Marshal(poison)
+	testenv.Publish(t, testenv.Producer(t, brokers), topic, "k", b)
+	testenv.Eventually(t, 30*time.Second, "the poison message on the dead-letter topic", func() bool {
+		return testenv.MessageCount(t, brokers, topic+".dlq") == 1
+	})
+
+	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.WindowSize(1280, 900))
+	actx, cancel := chromedp.NewExecAllocator(context.Background(), opts...)
+	t.Cleanup(cancel)
+	ctx, cancel := chromedp.NewContext(actx)
+	t.Cleanup(cancel)
+	if err := chromedp.Do(ctx); err != nil { // starts the browser, on a context without a deadline
+		t.Fatalf("start %s: %v", chromium, err)
+	}
+	base := srv.URL + console.DefaultPrefix
+
+	do(t, ctx, "the letters page", chromedp.Navigate(base+"/letters"))
+	reasons := text(t, ctx, "#reasons")
+	if !strings.Contains(reasons, "price must not be negative") || !strings.Contains(reasons, group) {
+		t.Fatalf("the reasons table: %q; want the poison's reason and group", reasons)
+	}
+	shot(t, ctx, "console-letters.png")
+	do(t, ctx, "a letter's page", chromedp.Click("#letters a"))
+	if payload := text(t, ctx, "#payload"); !strings.Contains(payload, poison.ID.String()) || !strings.Contains(payload, "\n  \"price\": -5") {
+		t.Fatalf("the letter's payload: %q; want it pretty-printed", payload)
+	}
+	shot(t, ctx, "console-letter.png")
+	letterURL, err := chromedp.Run(ctx, chromedp.Location())
+	if err != nil {
+		t.Fatal(err)
+	}
+	do(t, ctx, "sign in", chromedp.SendKeys(`input[name=token]`, token), chromedp.Click("#signin"), chromedp.WaitVisible("#replay-one"))
+	do(t, ctx, "the confirmation", chromedp.Click("#replay-one"))
+	if window := text(t, ctx, "#window"); !strings.Contains(window, "1 within the replay window") {
+		t.Fatalf("the confirmation says %q; want the letter within the window", window)
+	}
+	shot(t, ctx, "console-confirm.png")
+
+	fixed.Store(true)
+	do(t, ctx, "the replay", chromedp.Click("#confirm"))
+	if report := text(t, ctx, "#report"); !strings.Contains(report, "Replayed 1") {
+		t.Fatalf("the replay's report: %q", report)
+	}
+	testenv.Eventually(t, 30*time.Second, "the replayed event processed", func() bool { return effects.Load() == 1 })
+	do(t, ctx, "the replay's outcome", chromedp.Click("#outcomes a"))
+	if outcome := text(t, ctx, "#claims .outcome"); outcome != "processed by the replay" {
+		t.Fatalf("the inbox says %q; want the replay to have processed the event", outcome)
+	}
+	shot(t, ctx, "console-inbox.png")
+	do(t, ctx, "the groups page", chromedp.Navigate(base+"/groups"), chromedp.WaitVisible("#lag"))
+	shot(t, ctx, "console-groups.png")
+
+	// Outside the browser: a form without the session, and one from another
+	// site with it, are refused, and nothing more reaches the topic.
+	letter, _ := url.Parse(letterURL)
+	form := letter.Query()
+	if code, body := post(t, http.DefaultClient, base+"/replay", form, nil); code != http.StatusForbidden || !strings.Contains(body, "Sign in") {
+		t.Fatalf("a replay without the token: %d\n%s", code, body)
+	}
+	jar, _ := cookiejar.New(nil)
+	signedIn := &http.Client{Jar: jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	if code, _ := post(t, signedIn, base+"/login", url.Values{"token": {token}}, nil); code != http.StatusSeeOther {
+		t.Fatalf("sign in: %d", code)
+	}
+	resp, err := signedIn.Get(base + "/replay?" + form.Encode())
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindSubmatch(page)
+	if m == nil {
+		t.Fatalf("no CSRF token on the confirmation page:\n%s", page)
+	}
+	if code, body := post(t, signedIn, base+"/replay", form, nil); code != http.StatusForbidden || !strings.Contains(body, "CSRF") {
+		t.Fatalf("a replay signed in, without the CSRF token: %d\n%s", code, body)
+	}
+	form.Set("csrf", string(m[1]))
+	for _, h := range []map[string]string{{"Sec-Fetch-Site": "cross-site"}, {"Origin": "https://evil.example"}} {
+		if code, body := post(t, signedIn, base+"/replay", form, h); code != http.StatusForbidden {
+			t.Fatalf("a cross-site replay (%v) with the session and the CSRF token: %d\n%s", h, code, body)
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // a replay that got through would be on the topic by now
+	if n := testenv.MessageCount(t, brokers, topic); n != 2 {
+		t.Fatalf("%d messages on %s; want 2: the poison and its one replay", n, topic)
+	}
+	if effects.Load() != 1 {
+		t.Fatalf("the effect ran %d times; want once", effects.Load())
+	}
+}
+
+func do(t *testing.T, ctx context.Context, what string, steps ...chromedp.Action[chromedp.Void]) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	if err := chromedp.Do(ctx, steps...); err != nil {
+		t.Fatalf("%s: %v\npage:\n%s", what, err, html(ctx))
+	}
+}
+
+func text(t *testing.T, ctx context.Context, sel string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	s, err := chromedp.Run(ctx, chromedp.Text(sel))
+	if err != nil {
+		t.Fatalf("the text of %s: %v\npage:\n%s", sel, err, html(ctx))
+	}
+	return s
+}
+
+func html(ctx context.Context) string {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	s, _ := chromedp.Run(ctx, chromedp.OuterHTML("html"))
+	return s
+}
+
+// shot writes the page's screenshot to $ONCE_CONSOLE_SCREENSHOTS (a path
+// from the repository's root, such as docs): only when asked, so a test run
+// does not change the tree.
+func shot(t *testing.T, ctx context.Context, name string) {
+	t.Helper()
+	dir := os.Getenv("ONCE_CONSOLE_SCREENSHOTS")
+	if dir == "" {
+		return
+	}
+	if !filepath.IsAbs(dir) {
+		dir = filepath.Join(testenv.RepoRoot(), dir)
+	}
+	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+	if err == nil {
+		err = os.WriteFile(filepath.Join(dir, name), png, 0o644)
+	}
+	if err != nil {
+		t.Fatalf("screenshot %s: %v", name, err)
+	}
+}
+
+func post(t *testing.T, c *http.Client, to string, form url.Values, headers map[string]string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, to, strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for k, v := range headers {
+		req.Header.Set(k, v)
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}

@@ -1,0 +1,542 @@
+package console
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"maps"
+	"net/http"
+	"net/url"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+
+	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/inbox"
+)
+
+func parsePages() (map[string]*template.Template, error) {
+	funcs := template.FuncMap{
+		"age":  func(d time.Duration) string { return humanAge(d) },
+		"when": func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05Z") },
+	}
+	pages := map[string]*template.Template{}
+	for _, name := range []string{"letters", "letter", "confirm", "replayed", "groups", "inbox", "error"} {
+		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+name+".html")
+		if err != nil {
+			return nil, fmt.Errorf("console: template %s: %w", name, err)
+		}
+		pages[name] = t
+	}
+	return pages, nil
+}
+
+func humanAge(d time.Duration) string {
+	switch {
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh%02dm", int(d.Hours()), int(d.Minutes())%60)
+	}
+	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
+}
+
+// page is what every page's layout needs.
+type page struct {
+	Title, Nav, Prefix string
+	CanOperate         bool // a token is configured
+	SignedIn           bool
+	CSRF               string
+	Here               string // this page, for a form to come back to
+	Window             time.Duration
+	Errors             []string
+	Data               any
+}
+
+func (c *Console) render(w http.ResponseWriter, r *http.Request, status int, name, title string, data any, errs ...error) {
+	p := page{Title: title, Nav: name, Prefix: c.cfg.Prefix, CanOperate: c.cfg.Token != "", SignedIn: c.signedIn(r),
+		CSRF: c.csrf(r), Here: r.URL.RequestURI(), Window: c.cfg.ReplayWindow, Data: data}
+	for _, err := range errs {
+		if err != nil {
+			p.Errors = append(p.Errors, err.Error())
+		}
+	}
+	var buf bytes.Buffer
+	if err := c.pages[name].Execute(&buf, p); err != nil {
+		c.cfg.Logger.Error("console: render", "page", name, "err", err)
+		http.Error(w, "console: cannot render the page", http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
+	_, _ = buf.WriteTo(w)
+}
+
+func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, msg string) {
+	c.render(w, r, status, "error", http.StatusText(status), msg)
+}
+
+// filterForm is the letters' filter as the page's form and links carry it.
+type filterForm struct {
+	Topic, Group, Reason, Older, Newer string
+}
+
+func filterOf(r *http.Request) filterForm {
+	v := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
+	return filterForm{Topic: v("topic"), Group: v("group"), Reason: v("reason"), Older: v("older"), Newer: v("newer")}
+}
+
+func (f filterForm) Query() template.URL {
+	q := url.Values{}
+	for k, v := range map[string]string{"topic": f.Topic, "group": f.Group, "reason": f.Reason, "older": f.Older, "newer": f.Newer} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	return template.URL(q.Encode())
+}
+
+func (f filterForm) IsZero() bool { return f == filterForm{} }
+
+// filter is the dlq.Filter the form selects, with each bad field named.
+func (f filterForm) filter() (dlq.Filter, error) {
+	var errs []error
+	re, err := dlq.ParseReason(f.Reason)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("reason: %w", err))
+	}
+	dur := func(name, s string) time.Duration {
+		if s == "" {
+			return 0
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d < 0 {
+			errs = append(errs, fmt.Errorf("%s %q: want a duration such as 30m or 2h", name, s))
+		}
+		return d
+	}
+	out := dlq.Filter{Topic: f.Topic, Group: f.Group, Reason: re, MinAge: dur("older than", f.Older), MaxAge: dur("newer than", f.Newer)}
+	if out.MaxAge > 0 && out.MinAge > out.MaxAge {
+		errs = append(errs, errors.New("older than must be below newer than"))
+	}
+	return out, errors.Join(errs...)
+}
+
+func (c *Console) dlqTopics() []string {
+	out := make([]string, 0, len(c.cfg.Routes))
+	for _, r := range c.cfg.Routes {
+		out = append(out, r.DLQTopic)
+	}
+	return out
+}
+
+func (c *Console) route(dlqTopic string) (dlq.Route, bool) {
+	for _, r := range c.cfg.Routes {
+		if r.DLQTopic == dlqTopic {
+			return r, true
+		}
+	}
+	return dlq.Route{}, false
+}
+
+// letterView is a letter as the pages show it.
+type letterView struct {
+	dlq.Entry
+	Age, LetterAge time.Duration
+	InWindow       bool
+	Link           template.URL
+	Pretty         string // the payload, indented when it is JSON
+	HeaderKeys     []string
+	// Parked only: where it waits and how its publishing goes.
+	Parked    bool
+	ParkedID  int64
+	Database  string
+	Attempts  int
+	LastError string
+}
+
+func (c *Console) view(e dlq.Entry, now time.Time) letterView {
+	v := letterView{Entry: e, Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt), Pretty: pretty(e.Payload),
+		HeaderKeys: slices.Sorted(maps.Keys(e.Headers))}
+	v.InWindow = c.cfg.ReplayWindow == 0 || v.Age <= c.cfg.ReplayWindow
+	v.Link = template.URL(url.Values{"topic": {e.DLQTopic}, "partition": {strconv.Itoa(int(e.Partition))}, "offset": {strconv.FormatInt(e.Offset, 10)}}.Encode())
+	return v
+}
+
+// pretty is payload for a person: indented JSON, else the text, else its
+// bytes in hex (a letter is often a payload that does not decode).
+func pretty(payload []byte) string {
+	var buf bytes.Buffer
+	if json.Indent(&buf, payload, "", "  ") == nil {
+		return buf.String()
+	}
+	if utf8.Valid(payload) {
+		return string(payload)
+	}
+	return "(not UTF-8; hex) " + hex.EncodeToString(payload)
+}
+
+type reasonGroup struct {
+	Reason        string
+	Count         int
+	Topics        []string
+	Groups        []string
+	Oldest        time.Duration
+	Filter        template.URL
+	FirstLetterID string
+}
+
+type lettersData struct {
+	Filter     filterForm
+	Topics     []string // the consumed topics, for the filter's choice
+	Reasons    []reasonGroup
+	Letters    []letterView
+	Parked     []letterView
+	ReplayLink template.URL
+}
+
+func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
+	ff := filterOf(r)
+	f, ferr := ff.filter()
+	data := lettersData{Filter: ff}
+	for _, rt := range c.cfg.Routes {
+		data.Topics = append(data.Topics, rt.Topic)
+	}
+	if ferr != nil {
+		c.render(w, r, http.StatusBadRequest, "letters", "Dead letters", data, ferr)
+		return
+	}
+	now := c.cfg.Now()
+	entries, kerr := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
+	if kerr != nil {
+		kerr = fmt.Errorf("the dead-letter topics on Kafka: %w", kerr)
+	}
+	byReason := map[string]*reasonGroup{}
+	for i := len(entries) - 1; i >= 0; i-- { // the newest first
+		v := c.view(entries[i], now)
+		data.Letters = append(data.Letters, v)
+		reason := firstLine(v.Reason)
+		g := byReason[reason]
+		if g == nil {
+			g = &reasonGroup{Reason: reason}
+			rf := ff
+			rf.Reason = "^" + regexp.QuoteMeta(reason)
+			g.Filter = rf.Query()
+			byReason[reason] = g
+		}
+		g.Count++
+		g.Oldest = max(g.Oldest, v.Age)
+		if !slices.Contains(g.Topics, v.Topic) {
+			g.Topics = append(g.Topics, v.Topic)
+		}
+		if !slices.Contains(g.Groups, v.Group) {
+			g.Groups = append(g.Groups, v.Group)
+		}
+	}
+	for _, g := range byReason {
+		data.Reasons = append(data.Reasons, *g)
+	}
+	slices.SortFunc(data.Reasons, func(a, b reasonGroup) int { return cmp.Or(b.Count-a.Count, strings.Compare(a.Reason, b.Reason)) })
+	var perrs []error
+	for _, db := range c.cfg.Databases {
+		parked, err := c.store.ListMatching(r.Context(), db.DB, c.dlqTopics(), f, c.cfg.Limit, now)
+		if err != nil {
+			perrs = append(perrs, fmt.Errorf("the parked letters in database %s: %w", db.Name, err))
+			continue
+		}
+		for _, p := range parked {
+			v := c.view(p.Entry(), now)
+			v.Parked, v.ParkedID, v.Database, v.Attempts, v.LastError = true, p.ID, db.Name, p.Attempts, p.LastError
+			data.Parked = append(data.Parked, v)
+		}
+	}
+	data.ReplayLink = ff.Query()
+	c.render(w, r, http.StatusOK, "letters", "Dead letters", data, append(perrs, kerr)...)
+}
+
+func firstLine(s string) string {
+	s, _, _ = strings.Cut(strings.TrimSpace(s), "\n")
+	if len(s) > 200 {
+		s = s[:200] + "…"
+	}
+	if s == "" {
+		return "(no reason given)"
+	}
+	return s
+}
+
+// letterAt reads the letter r names (topic, partition, offset), refusing
+// a topic that is not one of the console's dead-letter topics.
+func (c *Console) letterAt(r *http.Request) (dlq.Route, int32, int64, dlq.Entry, error) {
+	rt, ok := c.route(r.FormValue("topic"))
+	p, perr := strconv.ParseInt(r.FormValue("partition"), 10, 32)
+	o, oerr := strconv.ParseInt(r.FormValue("offset"), 10, 64)
+	if !ok || perr != nil || oerr != nil {
+		return rt, 0, 0, dlq.Entry{}, errors.New("no such letter: topic must be one of the dead-letter topics, partition and offset numbers")
+	}
+	e, err := dlq.ReadLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopic: rt.DLQTopic}, int32(p), o)
+	return rt, int32(p), o, e, err
+}
+
+func (c *Console) letter(w http.ResponseWriter, r *http.Request) {
+	_, _, _, e, err := c.letterAt(r)
+	if err != nil {
+		c.fail(w, r, http.StatusNotFound, err.Error())
+		return
+	}
+	v := c.view(e, c.cfg.Now())
+	c.render(w, r, http.StatusOK, "letter", "Dead letter "+e.DLQTopic+"/"+strconv.Itoa(int(e.Partition))+"@"+strconv.FormatInt(e.Offset, 10), v)
+}
+
+// confirmData is the replay's confirmation, and its result.
+type confirmData struct {
+	One      *letterView // one letter; else the filtered group
+	Filter   filterForm
+	Letters  []letterView
+	InWindow int
+	Stale    int
+	// After the replay:
+	Report dlq.Report
+	At     time.Time
+}
+
+func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
+	now := c.cfg.Now()
+	if r.FormValue("offset") != "" {
+		_, _, _, e, err := c.letterAt(r)
+		if err != nil {
+			c.fail(w, r, http.StatusNotFound, err.Error())
+			return
+		}
+		v := c.view(e, now)
+		d := confirmData{One: &v}
+		if v.InWindow {
+			d.InWindow = 1
+		} else {
+			d.Stale = 1
+		}
+		c.render(w, r, http.StatusOK, "confirm", "Replay one letter?", d)
+		return
+	}
+	ff := filterOf(r)
+	f, err := ff.filter()
+	if err != nil {
+		c.render(w, r, http.StatusBadRequest, "error", "Bad filter", err.Error())
+		return
+	}
+	entries, err := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
+	d := confirmData{Filter: ff}
+	for _, e := range entries {
+		v := c.view(e, now)
+		d.Letters = append(d.Letters, v)
+		if v.InWindow {
+			d.InWindow++
+		} else {
+			d.Stale++
+		}
+	}
+	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
+}
+
+func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
+	now := c.cfg.Now()
+	d := confirmData{At: now}
+	var err error
+	if r.PostFormValue("offset") != "" {
+		var rt dlq.Route
+		var p int32
+		var o int64
+		var e dlq.Entry
+		if rt, p, o, e, err = c.letterAt(r); err != nil {
+			c.fail(w, r, http.StatusNotFound, err.Error())
+			return
+		}
+		v := c.view(e, now)
+		d.One = &v
+		d.Report, _, err = dlq.ReplayLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
+			DLQTopic: rt.DLQTopic, Topic: rt.Topic, MaxAge: c.cfg.ReplayWindow, Now: c.cfg.Now}, p, o)
+		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", p, "offset", o, "event_id", e.EventID,
+			"replayed", d.Report.Replayed, "skipped_stale", d.Report.SkippedStale, "remote", r.RemoteAddr, "err", err)
+	} else {
+		ff := filterOf(r)
+		f, ferr := ff.filter()
+		if ferr != nil {
+			c.fail(w, r, http.StatusBadRequest, ferr.Error())
+			return
+		}
+		d.Filter = ff
+		// Read before the replay, to show which events to follow; the
+		// replay's own report says what it did.
+		entries, _ := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
+		for _, e := range entries {
+			d.Letters = append(d.Letters, c.view(e, now))
+		}
+		d.Report, err = dlq.ReplayRoutes(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
+			Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow, Filter: f, Now: c.cfg.Now}, c.cfg.Routes)
+		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(ff.Query()), "replayed", d.Report.Replayed,
+			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
+	}
+	c.render(w, r, http.StatusOK, "replayed", "Replayed", d, err)
+}
+
+type groupsData struct {
+	Configured bool
+	Status     []groupRow
+	Holds      []holdRow
+	Lag        []lagRow
+	TotalLag   int64
+}
+
+type groupRow struct {
+	Topic, Group string
+	Joined       bool
+	Partitions   string
+	Held         int
+	OldestHeld   time.Duration
+}
+
+type holdRow struct {
+	Topic, Group string
+	Partition    int32
+	Offset       int64
+	Key          string
+	For          time.Duration
+	Attempts     int
+	Err          string
+	HasErr       bool
+}
+
+type lagRow struct {
+	Topic, Group                  string
+	Partition                     int32
+	Committed, HighWatermark, Lag int64
+}
+
+func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
+	var d groupsData
+	if c.cfg.Groups == nil {
+		c.render(w, r, http.StatusOK, "groups", "Groups", d)
+		return
+	}
+	d.Configured = true
+	now := c.cfg.Now()
+	for _, s := range c.cfg.Groups.Status() {
+		parts := make([]string, 0, len(s.Partitions))
+		for _, p := range slices.Sorted(slices.Values(s.Partitions)) {
+			parts = append(parts, strconv.Itoa(int(p)))
+		}
+		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld})
+	}
+	for _, h := range c.cfg.Groups.Holds() {
+		row := holdRow{Topic: h.Topic, Group: h.Group, Partition: h.Partition, Offset: h.Offset, Key: h.Key, For: now.Sub(h.Since), Attempts: h.Attempts}
+		if h.Err != nil {
+			row.Err, row.HasErr = h.Err.Error(), true
+		}
+		d.Holds = append(d.Holds, row)
+	}
+	lags, err := c.cfg.Groups.Lag(r.Context())
+	for _, l := range lags {
+		d.Lag = append(d.Lag, lagRow{Topic: l.Topic, Group: l.Group, Partition: l.Partition, Committed: l.Committed, HighWatermark: l.HighWatermark, Lag: l.Lag})
+		d.TotalLag += l.Lag
+	}
+	if err != nil {
+		err = fmt.Errorf("lag from Kafka: %w", err)
+	}
+	c.render(w, r, http.StatusOK, "groups", "Groups", d, err)
+}
+
+type inboxData struct {
+	Event   string
+	EventAt time.Time
+	Since   time.Time // a replay's time: each claim says whether it came after
+	Claims  []claimRow
+	Looked  bool
+}
+
+type claimRow struct {
+	Database, Group, SHA256 string
+	At                      time.Time
+	Outcome                 string
+}
+
+func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
+	d := inboxData{Event: strings.TrimSpace(r.FormValue("event"))}
+	if d.Event == "" {
+		c.render(w, r, http.StatusOK, "inbox", "Inbox", d)
+		return
+	}
+	id, err := uuid.Parse(d.Event)
+	if err == nil && id.Version() != 7 {
+		err = fmt.Errorf("a UUID version %d; event ids are UUIDv7", id.Version())
+	}
+	if err != nil {
+		c.render(w, r, http.StatusBadRequest, "inbox", "Inbox", d, fmt.Errorf("event id %q: %w", d.Event, err))
+		return
+	}
+	d.Looked = true
+	sec, nsec := id.Time().UnixTime()
+	d.EventAt = time.Unix(sec, nsec)
+	if s := r.FormValue("since"); s != "" {
+		d.Since, _ = time.Parse(time.RFC3339Nano, s)
+	}
+	var errs []error
+	for _, db := range c.cfg.Databases {
+		claims, err := inbox.Lookup(r.Context(), db.DB, c.cfg.Tables, id, "")
+		if err != nil {
+			errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
+			continue
+		}
+		for _, cl := range claims {
+			row := claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256)}
+			if !d.Since.IsZero() {
+				// Claimed after the replay: the replay processed it. Before:
+				// the replayed message met the claim, a duplicate.
+				row.Outcome = "duplicate (claimed before the replay)"
+				if !cl.ProcessedAt.Before(d.Since) {
+					row.Outcome = "processed by the replay"
+				}
+			}
+			d.Claims = append(d.Claims, row)
+		}
+	}
+	c.render(w, r, http.StatusOK, "inbox", "Inbox", d, errs...)
+}
+
+func (c *Console) forget(w http.ResponseWriter, r *http.Request) {
+	id, err := uuid.Parse(r.PostFormValue("event"))
+	group, dbName := r.PostFormValue("group"), r.PostFormValue("database")
+	if err != nil || group == "" {
+		c.fail(w, r, http.StatusBadRequest, "forget needs an event id and a group")
+		return
+	}
+	if r.PostFormValue("confirm") != "yes" {
+		c.fail(w, r, http.StatusBadRequest, "Tick the box: forgetting a claim lets the event's next delivery run its effect again.")
+		return
+	}
+	for _, db := range c.cfg.Databases {
+		if db.Name != dbName {
+			continue
+		}
+		sum, err := inbox.Forget(r.Context(), db.DB, c.cfg.Tables, id, group)
+		if err != nil {
+			c.fail(w, r, http.StatusNotFound, err.Error())
+			return
+		}
+		c.cfg.Logger.Warn("console: FORGOT A CLAIM: the next delivery of this event will be processed again by its group",
+			"event_id", id, "consumer_group", group, "payload_sha256", hex.EncodeToString(sum), "remote", r.RemoteAddr)
+		http.Redirect(w, r, c.cfg.Prefix+"/inbox?"+url.Values{"event": {id.String()}}.Encode(), http.StatusSeeOther)
+		return
+	}
+	c.fail(w, r, http.StatusNotFound, "no such database")
+}
