@@ -65,6 +65,14 @@ stop_services() {
 # from PyPI, once) and exports ONCE_SEEDPEER_DIR and ONCE_SEEDPEER_PYTHON for
 # the cross-language tests and the benchmark's peer. The judge's copy in
 # ../shared wins over the vendored one in dev/seedpeer.
+# browser: the console's browser test drives a headless Chromium (Debian's
+# package, installed with apt-get where it is missing).
+browser() {
+	command -v chromium >/dev/null && return
+	echo "chromium is not installed; installing the Debian package (the console's browser test)" >&2
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
+}
+
 seedpeer_python() {
 	local dir=$ONCE_ROOT/dev/seedpeer shared=$ONCE_ROOT/../shared/bench/seedpeer f
 	if [[ -f $shared/produce.py ]]; then

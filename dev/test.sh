@@ -8,6 +8,7 @@ cd "$ONCE_ROOT"
 trap stop_services EXIT
 start_services
 seedpeer_python
+browser
 # Integration tests skip without these; under this script they must not.
 export ONCE_REQUIRE_SERVICES=1
 unformatted=$(gofmt -l .)
