@@ -101,10 +101,7 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 		return Report{}, fmt.Errorf("dlq: producer: %w", err)
 	}
 	defer producer.Close()
-	cc := sarama.NewConfig()
-	cc.Version = cfg.Sarama.Version
-	cc.ClientID = cfg.Sarama.ClientID
-	cc.Net = cfg.Sarama.Net
+	cc := readerConfig(cfg.Sarama)
 	cc.Consumer.Offsets.Initial = sarama.OffsetOldest
 	client, err := sarama.NewClient(cfg.Brokers, cc)
 	if err != nil {
@@ -318,12 +315,19 @@ func ReplayLetter(ctx context.Context, cfg Config, partition int32, offset int64
 	return rep, entryOf(m), err
 }
 
+// readerConfig is a consumer's configuration on the connection settings
+// (version, client id, TLS/SASL) of the caller's producer configuration.
+func readerConfig(s *sarama.Config) *sarama.Config {
+	cc := sarama.NewConfig()
+	cc.Version = s.Version
+	cc.ClientID = s.ClientID
+	cc.Net = s.Net
+	return cc
+}
+
 // readOne reads the record at partition and offset of cfg.DLQTopic.
 func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*sarama.ConsumerMessage, error) {
-	cc := sarama.NewConfig()
-	cc.Version = cfg.Sarama.Version
-	cc.ClientID = cfg.Sarama.ClientID
-	cc.Net = cfg.Sarama.Net
+	cc := readerConfig(cfg.Sarama)
 	consumer, err := sarama.NewConsumer(cfg.Brokers, cc)
 	if err != nil {
 		return nil, fmt.Errorf("dlq: connect: %w", err)

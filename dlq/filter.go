@@ -120,10 +120,7 @@ func List(ctx context.Context, cfg ListConfig) ([]Entry, error) {
 	if len(cfg.Brokers) == 0 || cfg.Sarama == nil || len(cfg.DLQTopics) == 0 {
 		return nil, errors.New("dlq: Brokers, Sarama and DLQTopics are required")
 	}
-	cc := sarama.NewConfig()
-	cc.Version = cfg.Sarama.Version
-	cc.ClientID = cfg.Sarama.ClientID
-	cc.Net = cfg.Sarama.Net
+	cc := readerConfig(cfg.Sarama)
 	client, err := sarama.NewClient(cfg.Brokers, cc)
 	if err != nil {
 		return nil, fmt.Errorf("dlq: connect: %w", err)
