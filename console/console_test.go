@@ -172,7 +172,17 @@ func do(t *testing.T, ctx context.Context, what string, steps ...chromedp.Action
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	if err := chromedp.Do(ctx, steps...); err != nil {
+	for {
+		err := chromedp.Do(ctx, steps...)
+		if err == nil {
+			return
+		}
+		// The page was replaced between finding a node and acting on it
+		// (a redirect still landing): the action did not happen; again.
+		if strings.Contains(err.Error(), "Could not find node with given id") && ctx.Err() == nil {
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
 		t.Fatalf("%s: %v\npage:\n%s", what, err, html(ctx))
 	}
 }

@@ -229,9 +229,11 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 		reason := firstLine(v.Reason)
 		g := byReason[reason]
 		if g == nil {
-			g = &reasonGroup{Reason: reason}
+			g = &reasonGroup{Reason: shortened(reason)}
 			rf := ff
-			rf.Reason = "^" + regexp.QuoteMeta(reason)
+			// The whole first line, not the shortened one shown (review
+			// finding: a long reason's links matched no letter).
+			rf.Reason = reasonPattern(reason)
 			g.Filter = rf.Query()
 			byReason[reason] = g
 		}
@@ -265,15 +267,26 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, http.StatusOK, "letters", "Dead letters", data, append(perrs, kerr)...)
 }
 
+// reasonPattern selects the letters whose reason's first line is line.
+func reasonPattern(line string) string {
+	return `^\s*` + regexp.QuoteMeta(line) + `\s*(?:\n|$)`
+}
+
+// firstLine is the first line of a reason, which groups letters.
 func firstLine(s string) string {
 	s, _, _ = strings.Cut(strings.TrimSpace(s), "\n")
-	if len(s) > 200 {
-		s = s[:200] + "…"
-	}
-	if s == "" {
+	return strings.TrimSpace(s)
+}
+
+// shortened is a reason as a group's heading shows it: at most 200 runes.
+func shortened(reason string) string {
+	if reason == "" {
 		return "(no reason given)"
 	}
-	return s
+	if r := []rune(reason); len(r) > 200 {
+		return string(r[:200]) + "…"
+	}
+	return reason
 }
 
 // letterAt reads the letter r names (topic, partition, offset), refusing

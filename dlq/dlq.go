@@ -327,10 +327,23 @@ func readerConfig(s *sarama.Config) *sarama.Config {
 
 // readOne reads the record at partition and offset of cfg.DLQTopic.
 func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*sarama.ConsumerMessage, error) {
-	cc := readerConfig(cfg.Sarama)
-	consumer, err := sarama.NewConsumer(cfg.Brokers, cc)
+	client, err := sarama.NewClient(cfg.Brokers, readerConfig(cfg.Sarama))
 	if err != nil {
 		return nil, fmt.Errorf("dlq: connect: %w", err)
+	}
+	defer client.Close()
+	// An offset at or past the end would wait for a letter not yet written,
+	// holding a Kafka consumer for as long as the caller waits.
+	end, err := client.GetOffset(cfg.DLQTopic, partition, sarama.OffsetNewest)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: end of %s/%d: %w", cfg.DLQTopic, partition, err)
+	}
+	if offset >= end {
+		return nil, fmt.Errorf("dlq: %s/%d@%d: no such letter (the partition ends at %d)", cfg.DLQTopic, partition, offset, end)
+	}
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: consumer: %w", err)
 	}
 	defer consumer.Close()
 	pc, err := consumer.ConsumePartition(cfg.DLQTopic, partition, offset)

@@ -3,6 +3,7 @@ package dlq_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -146,5 +147,28 @@ func TestAnAgeFilterLeavesAYoungLetterForLater(t *testing.T) {
 	cfg.MaxAge = time.Hour
 	if _, err := dlq.Replay(context.Background(), cfg); err == nil {
 		t.Fatal("a MinAge at MaxAge was accepted")
+	}
+}
+
+// A letter asked for past its partition's end is an error at once (review
+// finding: the read waited for a record not yet written, holding a Kafka
+// consumer for as long as the console's visitor waited).
+func TestReadingALetterPastTheEndFailsAtOnce(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	prod := testenv.Producer(t, brokers)
+	if _, _, err := prod.SendMessage(&sarama.ProducerMessage{Topic: dlqTopic, Value: sarama.StringEncoder(`{}`),
+		Headers: []sarama.RecordHeader{{Key: []byte(middleware.ReasonForPoisonedKey), Value: []byte("bad")}}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if e, err := dlq.ReadLetter(ctx, cfg, 0, 0); err != nil || e.Reason != "bad" {
+		t.Fatalf("the letter at 0: %+v, %v", e, err)
+	}
+	_, err := dlq.ReadLetter(ctx, cfg, 0, 1)
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "no such letter") {
+		t.Fatalf("the letter at 1 of a partition of one: %v (context: %v); want no such letter, at once", err, ctx.Err())
 	}
 }

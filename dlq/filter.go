@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -162,6 +163,12 @@ func List(ctx context.Context, cfg ListConfig) ([]Entry, error) {
 				case m := <-pc.Messages():
 					if e := entryOf(m); cfg.Filter.Matches(e, now) {
 						out = append(out, e)
+						if len(out) >= 2*cfg.Limit {
+							// Entries carry their payloads: a topic of
+							// millions of letters must not be held in memory
+							// (the console lists from the consumer's process).
+							out = newest(out, cfg.Limit)
+						}
 					}
 					next = m.Offset + 1
 				case <-ctx.Done():
@@ -172,11 +179,16 @@ func List(ctx context.Context, cfg ListConfig) ([]Entry, error) {
 			pc.Close()
 		}
 	}
-	sort.SliceStable(out, func(i, j int) bool { return out[i].LetterAt.Before(out[j].LetterAt) })
-	if len(out) > cfg.Limit {
-		out = out[len(out)-cfg.Limit:]
+	return newest(out, cfg.Limit), nil
+}
+
+// newest sorts entries oldest first and keeps the newest limit of them.
+func newest(entries []Entry, limit int) []Entry {
+	sort.SliceStable(entries, func(i, j int) bool { return entries[i].LetterAt.Before(entries[j].LetterAt) })
+	if len(entries) > limit {
+		entries = slices.Clone(entries[len(entries)-limit:])
 	}
-	return out, nil
+	return entries
 }
 
 // ParseReason compiles a --reason filter, naming the flag in its error.

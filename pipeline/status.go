@@ -67,9 +67,12 @@ type groupRef struct {
 type holdEntry struct {
 	topic, group string
 	since        time.Time
-	msg          *message.Message
-	attempts     int
-	err          error
+	// at is where the message is, read when it was first held, on its own
+	// goroutine: a retry may be running when Holds is called, and a team's
+	// middleware may write the message's metadata meanwhile.
+	at       Delivery
+	attempts int
+	err      error
 }
 
 // HeldMessage is one message held now: where it is, since when, and why its
@@ -90,7 +93,7 @@ func (p *Pipeline) Holds() []HeldMessage {
 	p.holdsMu.Lock()
 	out := make([]HeldMessage, 0, len(p.holds))
 	for _, h := range p.holds {
-		d := delivery(h.topic, h.group, h.msg)
+		d := h.at
 		out = append(out, HeldMessage{Topic: h.topic, Group: h.group, Partition: d.Partition, Offset: d.Offset, Key: d.Key,
 			Since: h.since, Attempts: h.attempts, Err: h.err})
 	}
@@ -110,12 +113,14 @@ func (p *Pipeline) holdFailed(msg *message.Message, attempt int, err error) {
 }
 
 func (p *Pipeline) holding(msg *message.Message, topic, group string, since time.Time) {
+	d := delivery(topic, group, msg)
 	p.holdsMu.Lock()
 	defer p.holdsMu.Unlock()
 	if p.holds == nil {
 		p.holds = map[*message.Message]holdEntry{}
 	}
-	p.holds[msg] = holdEntry{topic: topic, group: group, since: since, msg: msg}
+	p.holds[msg] = holdEntry{topic: topic, group: group, since: since,
+		at: Delivery{Partition: d.Partition, Offset: d.Offset, Key: d.Key}}
 }
 
 func (p *Pipeline) released(msg *message.Message) {
