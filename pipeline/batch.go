@@ -428,6 +428,7 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 // nothing before them that is not in the list or done (arriving is when
 // the latest of them was handed out; zero for none). Caller holds b.mu.
 func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.Time) {
+	now := time.Now()
 	for key, q := range b.queues {
 		if key.owner.Err() != nil {
 			// The session ended: its messages are the next owner's. Those
@@ -468,7 +469,7 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.
 			// Announced, in a batch or alone: its followers wait. One
 			// handed out just now (everything before it is done or in this
 			// list) is on its way to this batch.
-			if e.state == announced && !e.handedOut.IsZero() && time.Since(e.handedOut) < handOff && e.handedOut.After(arriving) {
+			if e.state == announced && !e.handedOut.IsZero() && now.Sub(e.handedOut) < handOff && e.handedOut.After(arriving) {
 				arriving = e.handedOut
 			}
 			break

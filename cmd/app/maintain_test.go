@@ -7,9 +7,9 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/reftest"
+	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/schema"
 )
 
@@ -23,29 +23,21 @@ import (
 func TestMaintainPrunesTheForwardedOutbox(t *testing.T) {
 	ctx := context.Background()
 	shared := reftest.Postgres(t)
-	name := "maintain_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
-	if _, err := shared.Exec(ctx, `CREATE DATABASE `+name); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = shared.Exec(context.Background(), `DROP DATABASE `+name+` WITH (FORCE)`) })
+	pool := testenv.OtherPostgres(t, "once_maintain_test")
 	u, err := neturl.Parse(shared.Config().ConnString())
 	if err != nil {
 		t.Fatal(err)
 	}
-	u.Path = "/" + name
+	u.Path = "/" + pool.Config().ConnConfig.Database
 	url := u.String()
 	if out, err := runApp(t, "migrate", "--database-url", url); err != nil {
 		t.Fatalf("migrate: %v\n%s", err, out)
 	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
 	tables := schema.Config{}
 	box, offsets := tables.OutboxTable().Qualified, tables.OutboxOffsetsTable().Qualified
-	if _, err := pool.Exec(ctx, `INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-		VALUES ('kafka_forwarder', 0, '2')`); err != nil {
+	// The database is this test's alone: what an earlier run left goes.
+	if _, err := pool.Exec(ctx, `DELETE FROM `+box+`; DELETE FROM `+offsets+`;
+		INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ('kafka_forwarder', 0, '2')`); err != nil {
 		t.Fatal(err)
 	}
 	id := uuid.NewString()
