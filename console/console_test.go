@@ -107,8 +107,11 @@ func TestConsoleInABrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	do(t, ctx, "sign in", chromedp.SendKeys(`input[name=token]`, token), chromedp.Click("#signin"), chromedp.WaitVisible("#replay-one"))
-	do(t, ctx, "the confirmation", chromedp.Click("#replay-one"))
+	// #signed-in is only on the page the login redirected to: waiting for
+	// #replay-one, on both, could find it on the page before, and a click there
+	// would cancel the login's navigation.
+	do(t, ctx, "sign in", chromedp.SendKeys(`input[name=token]`, token), chromedp.Click("#signin"), chromedp.WaitVisible("#signed-in"))
+	do(t, ctx, "the confirmation", chromedp.Click("#replay-one"), chromedp.WaitVisible("#confirm"))
 	if window := text(t, ctx, "#window"); !strings.Contains(window, "1 within the replay window") {
 		t.Fatalf("the confirmation says %q; want the letter within the window", window)
 	}
