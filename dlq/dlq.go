@@ -51,8 +51,25 @@ type Config struct {
 	Filter Filter
 	// Progress, if set, is called after each message.
 	Progress func(done, total int64)
-	Now      func() time.Time
+	// DryRun judges every letter exactly as the replay would, from the
+	// same progress, and reports it, but sends nothing and moves no
+	// progress: what a confirmation shows before the real run.
+	DryRun bool
+	// Each, if set, is told every letter read and what became of it
+	// (in a dry run, what would).
+	Each func(Entry, Outcome)
+	Now  func() time.Time
 }
+
+// Outcome is what a replay does with one letter.
+type Outcome int
+
+const (
+	Replayed     Outcome = iota // sent again to its topic
+	SkippedStale                // its event is older than MaxAge
+	Filtered                    // the filter leaves it out
+	NotYet                      // too young for the filter's MinAge: its partition stops there
+)
 
 // Report says what a replay did.
 type Report struct {
@@ -94,13 +111,17 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	// The producer gets a client of its own: an idempotent producer allows one
 	// request in flight per connection, and a shared connection would queue
 	// every send behind the consumer's long-polling fetches.
-	pc := *cfg.Sarama
-	pc.Producer.Return.Successes = true
-	producer, err := sarama.NewSyncProducer(cfg.Brokers, &pc)
-	if err != nil {
-		return Report{}, fmt.Errorf("dlq: producer: %w", err)
+	var producer sarama.SyncProducer
+	if !cfg.DryRun {
+		pc := *cfg.Sarama
+		pc.Producer.Return.Successes = true
+		p, err := sarama.NewSyncProducer(cfg.Brokers, &pc)
+		if err != nil {
+			return Report{}, fmt.Errorf("dlq: producer: %w", err)
+		}
+		defer p.Close()
+		producer = p
 	}
-	defer producer.Close()
 	cc := readerConfig(cfg.Sarama)
 	cc.Consumer.Offsets.Initial = sarama.OffsetOldest
 	client, err := sarama.NewClient(cfg.Brokers, cc)
@@ -121,6 +142,11 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	defer offsets.Close()
 
 	partitions, err := client.Partitions(cfg.DLQTopic)
+	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		// No letter yet: the topic is made with its first one. A replay of
+		// every route must not stop at a topic that never had a letter.
+		return Report{ByTopic: map[string]int64{}}, nil
+	}
 	if err != nil {
 		return Report{}, fmt.Errorf("dlq: partitions of %s: %w", cfg.DLQTopic, err)
 	}
@@ -175,6 +201,9 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 				// partition stops here, and the next replay with the same
 				// filter starts from this letter.
 				rep.NotYet++
+				if cfg.Each != nil {
+					cfg.Each(entryOf(m), NotYet)
+				}
 				break
 			}
 			if err := replayOne(cfg, producer, m, &rep); err != nil {
@@ -183,7 +212,9 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 				return rep, err
 			}
 			next = m.Offset + 1
-			s.pom.MarkOffset(next, "")
+			if !cfg.DryRun {
+				s.pom.MarkOffset(next, "")
+			}
 			done++
 			if cfg.Progress != nil {
 				cfg.Progress(done, total)
@@ -191,7 +222,9 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 		}
 		pc.Close()
 	}
-	offsets.Commit()
+	if !cfg.DryRun {
+		offsets.Commit()
+	}
 	return rep, nil
 }
 
@@ -218,13 +251,23 @@ func eventIDOf(payload []byte) string {
 	return doc.EventID
 }
 
+// replayOne judges m and, unless it is left out or this is a dry run,
+// sends it again; rep and cfg.Each learn the outcome once it is so.
 func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessage, rep *Report) error {
-	if !cfg.Filter.Matches(entryOf(m), cfg.Now()) {
+	e := entryOf(m)
+	tell := func(o Outcome) {
+		if cfg.Each != nil {
+			cfg.Each(e, o)
+		}
+	}
+	if !cfg.Filter.Matches(e, cfg.Now()) {
 		rep.Filtered++
+		tell(Filtered)
 		return nil
 	}
 	if cfg.MaxAge > 0 && cfg.Now().Sub(eventTime(m)) > cfg.MaxAge {
 		rep.SkippedStale++
+		tell(SkippedStale)
 		return nil
 	}
 	topic := cfg.Topic
@@ -247,11 +290,14 @@ func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessa
 	}
 	headers = append(headers, sarama.RecordHeader{Key: []byte(HeaderReplayedFrom),
 		Value: []byte(m.Topic + "/" + strconv.Itoa(int(m.Partition)) + "/" + strconv.FormatInt(m.Offset, 10))})
-	if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: key, Value: sarama.ByteEncoder(m.Value), Headers: headers}); err != nil {
-		return fmt.Errorf("dlq: republish %s/%d/%d to %s: %w", m.Topic, m.Partition, m.Offset, topic, err)
+	if !cfg.DryRun {
+		if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: key, Value: sarama.ByteEncoder(m.Value), Headers: headers}); err != nil {
+			return fmt.Errorf("dlq: republish %s/%d/%d to %s: %w", m.Topic, m.Partition, m.Offset, topic, err)
+		}
 	}
 	rep.Replayed++
 	rep.ByTopic[topic]++
+	tell(Replayed)
 	return nil
 }
 

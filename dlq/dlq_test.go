@@ -172,3 +172,59 @@ func TestReadingALetterPastTheEndFailsAtOnce(t *testing.T) {
 		t.Fatalf("the letter at 1 of a partition of one: %v (context: %v); want no such letter, at once", err, ctx.Err())
 	}
 }
+
+// A dry run judges every letter as the replay after it will, from the
+// same progress (a letter an earlier replay sent is not counted again),
+// and sends nothing and moves no progress: the console's confirmation
+// shows what the replay will do, not every letter on the topic.
+func TestADryRunSaysWhatTheReplayWillDo(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	prod := testenv.Producer(t, brokers)
+	publish := func(id uuid.UUID) {
+		testenv.Publish(t, prod, dlqTopic, "k", []byte(fmt.Sprintf(`{"event_id":%q}`, id)))
+	}
+	publish(uuid.Must(uuid.NewV7()))
+	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+		Group: "dry-" + uuid.NewString()[:8], MaxAge: time.Hour}
+	if rep, err := dlq.Replay(context.Background(), cfg); err != nil || rep.Replayed != 1 {
+		t.Fatalf("the first replay: %+v, %v", rep, err)
+	}
+	publish(uuid.Must(uuid.NewV7()))
+	publish(retentionID(time.Now().Add(-3 * time.Hour)))
+
+	dry := cfg
+	dry.DryRun = true
+	seen := map[dlq.Outcome]int{}
+	dry.Each = func(_ dlq.Entry, o dlq.Outcome) { seen[o]++ }
+	for range 2 { // twice: the first moved nothing
+		clear(seen)
+		rep, err := dlq.Replay(context.Background(), dry)
+		if err != nil || rep.Replayed != 1 || rep.SkippedStale != 1 || seen[dlq.Replayed] != 1 || seen[dlq.SkippedStale] != 1 {
+			t.Fatalf("the dry run: %+v %v, told %v; want 1 to replay and 1 stale, not the letter replayed before", rep, err, seen)
+		}
+	}
+	if n := testenv.MessageCount(t, brokers, target); n != 1 {
+		t.Fatalf("%d messages on the target after the dry runs; want only the first replay's 1", n)
+	}
+	if rep, err := dlq.Replay(context.Background(), cfg); err != nil || rep.Replayed != 1 || rep.SkippedStale != 1 {
+		t.Fatalf("the replay after the dry runs: %+v, %v; want what they said", rep, err)
+	}
+}
+
+// A route whose dead-letter topic was never made (it is made with its
+// first letter) has nothing to replay: a replay of every route goes on to
+// the next (review finding: it stopped the console's "replay all").
+func TestAReplayOfEveryRouteSkipsADeadLetterTopicNeverMade(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	testenv.Publish(t, testenv.Producer(t, brokers), dlqTopic, "k", []byte(`{}`))
+	never := "never-made-" + uuid.NewString()[:8]
+	rep, err := dlq.ReplayRoutes(context.Background(), dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), Group: "routes-" + uuid.NewString()[:8]},
+		[]dlq.Route{{Topic: target, DLQTopic: never}, {Topic: target, DLQTopic: dlqTopic}})
+	if err != nil || rep.Replayed != 1 {
+		t.Fatalf("a replay of a route without a dead-letter topic and one with a letter: %+v, %v; want the letter replayed", rep, err)
+	}
+}
