@@ -9,11 +9,16 @@ import (
 	"embed"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"html/template"
 	"io/fs"
 	"log/slog"
+	"maps"
+	"net"
 	"net/http"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -76,6 +81,11 @@ type Config struct {
 	// Prefix is the path the console is served under. Default:
 	// [DefaultPrefix].
 	Prefix string
+	// Hosts the console answers to besides localhost and IP addresses
+	// (the Host a browser sends, without the port): a request for any
+	// other name is refused, so that a site whose name is made to resolve
+	// to this listener (DNS rebinding) cannot read it. Default: none.
+	Hosts []string
 	// Limit: at most this many letters are listed, the newest. Default 500.
 	Limit int
 	// Now. Default: time.Now.
@@ -142,7 +152,9 @@ type Console struct {
 	handler http.Handler
 	// csrfKey signs the forms' CSRF tokens: new with each process, so a
 	// token read from an old page is worth nothing after a restart.
-	csrfKey []byte
+	csrfKey  []byte
+	sessions sessions
+	results  results
 }
 
 // New checks cfg and returns the console. It opens no connection.
@@ -155,7 +167,7 @@ func New(cfg Config) (*Console, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Console{cfg: cfg, store: store, csrfKey: make([]byte, 32)}
+	c := &Console{cfg: cfg, store: store, csrfKey: make([]byte, 32), sessions: sessions{byID: map[string]time.Time{}}, results: results{byID: map[string]confirmData{}}}
 	if _, err := rand.Read(c.csrfKey); err != nil {
 		return nil, err
 	}
@@ -176,6 +188,7 @@ func New(cfg Config) (*Console, error) {
 	mux.HandleFunc("GET "+p+"/letter", c.letter)
 	mux.HandleFunc("GET "+p+"/replay", c.confirmReplay)
 	mux.HandleFunc("POST "+p+"/replay", c.operator(c.replay))
+	mux.HandleFunc("GET "+p+"/replayed", c.replayed)
 	mux.HandleFunc("GET "+p+"/groups", c.groups)
 	mux.HandleFunc("GET "+p+"/inbox", c.inbox)
 	mux.HandleFunc("POST "+p+"/forget", c.operator(c.forget))
@@ -184,8 +197,28 @@ func New(cfg Config) (*Console, error) {
 	// Refuses a POST another site's page makes (Sec-Fetch-Site, else Origin
 	// against Host): the CSRF token below is the second lock, for browsers
 	// that send neither header.
-	c.handler = securityHeaders(http.NewCrossOriginProtection().Handler(mux))
+	c.handler = securityHeaders(c.knownHost(http.NewCrossOriginProtection().Handler(mux)))
 	return c, nil
+}
+
+// knownHost refuses a request for a host name the console does not know.
+// The browser's same-origin rule protects a loopback listener only while
+// the page's name is the listener's: a name an attacker resolves to
+// 127.0.0.1 (DNS rebinding) makes their page same-origin with it.
+func (c *Console) knownHost(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if hp, _, err := net.SplitHostPort(host); err == nil {
+			host = hp
+		}
+		host = strings.TrimSuffix(strings.Trim(host, "[]"), ".")
+		if net.ParseIP(host) == nil && !strings.EqualFold(host, "localhost") && !slices.ContainsFunc(c.cfg.Hosts, func(k string) bool { return strings.EqualFold(k, host) }) {
+			c.cfg.Logger.Warn("console: a request for an unknown host refused", "host", r.Host, "remote", r.RemoteAddr)
+			http.Error(w, fmt.Sprintf("console: %q is not a host this console answers to; add it to its Hosts (app serve --console-host)", host), http.StatusMisdirectedRequest)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) { c.handler.ServeHTTP(w, r) }
@@ -202,21 +235,70 @@ func securityHeaders(h http.Handler) http.Handler {
 
 const sessionCookie = "once_console"
 
-// session is what the sign-in cookie holds: derived from the token, so the
-// token itself never sits in a cookie, and a new token ends every session.
-func (c *Console) session() string {
-	m := hmac.New(sha256.New, []byte(c.cfg.Token))
-	m.Write([]byte("once console session"))
-	return hex.EncodeToString(m.Sum(nil))
+// sessionTTL is how long a sign-in lasts; maxSessions bounds what a
+// visitor who signs in again and again can make the process keep.
+const (
+	sessionTTL  = 12 * time.Hour
+	maxSessions = 1000
+)
+
+// sessions are the signed-in browsers: a random id each, kept only in
+// this process, so that signing out ends that session (a cookie copied
+// before is worth nothing after) and a restart ends them all.
+type sessions struct {
+	mu   sync.Mutex
+	byID map[string]time.Time // its end
 }
 
-// signedIn reports whether r carries the session of the configured token.
+func (s *sessions) start(now time.Time) (string, error) {
+	id, err := randomID()
+	if err != nil {
+		return "", err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	maps.DeleteFunc(s.byID, func(_ string, end time.Time) bool { return !now.Before(end) })
+	for len(s.byID) >= maxSessions {
+		var first string
+		for k, end := range s.byID {
+			if first == "" || end.Before(s.byID[first]) {
+				first = k
+			}
+		}
+		delete(s.byID, first)
+	}
+	s.byID[id] = now.Add(sessionTTL)
+	return id, nil
+}
+
+func (s *sessions) valid(id string, now time.Time) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	end, ok := s.byID[id]
+	return ok && now.Before(end)
+}
+
+func (s *sessions) end(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.byID, id)
+}
+
+func randomID() (string, error) {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b), nil
+}
+
+// signedIn reports whether r carries a live session.
 func (c *Console) signedIn(r *http.Request) bool {
 	if c.cfg.Token == "" {
 		return false
 	}
 	ck, err := r.Cookie(sessionCookie)
-	return err == nil && subtle.ConstantTimeCompare([]byte(ck.Value), []byte(c.session())) == 1
+	return err == nil && c.sessions.valid(ck.Value, c.cfg.Now())
 }
 
 // csrf is the forms' token for r's session.
@@ -256,12 +338,20 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusForbidden, "Wrong token.")
 		return
 	}
-	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: c.session(), Path: c.cfg.Prefix, HttpOnly: true,
-		SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: int((12 * time.Hour).Seconds())})
+	id, err := c.sessions.start(c.cfg.Now())
+	if err != nil {
+		c.fail(w, r, http.StatusInternalServerError, "cannot start a session: "+err.Error())
+		return
+	}
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: id, Path: c.cfg.Prefix, HttpOnly: true,
+		SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: int(sessionTTL.Seconds())})
 	http.Redirect(w, r, c.back(r), http.StatusSeeOther)
 }
 
 func (c *Console) logout(w http.ResponseWriter, r *http.Request) {
+	if ck, err := r.Cookie(sessionCookie); err == nil {
+		c.sessions.end(ck.Value)
+	}
 	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Path: c.cfg.Prefix, MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
 	http.Redirect(w, r, c.back(r), http.StatusSeeOther)
 }

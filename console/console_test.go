@@ -23,6 +23,7 @@ import (
 
 	"github.com/once-dev/once"
 	"github.com/once-dev/once/console"
+	"github.com/once-dev/once/inbox"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/schema"
@@ -169,6 +170,152 @@ func TestConsoleInABrowser(t *testing.T) {
 	if effects.Load() != 1 {
 		t.Fatalf("the effect ran %d times; want once", effects.Load())
 	}
+
+	// The replay's answer is a redirect to its report: reloading the
+	// report shows it again and sends nothing.
+	code, _, where := postRedirect(t, signedIn, base+"/replay", form)
+	if code != http.StatusSeeOther {
+		t.Fatalf("a replay signed in, with the CSRF token: %d; want a redirect to its report", code)
+	}
+	for range 2 {
+		if code, body := get(t, signedIn, srv.URL+where); code != http.StatusOK || !strings.Contains(body, "Replayed <strong>1</strong>") {
+			t.Fatalf("the report %s: %d\n%s", where, code, body)
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, "the second replay on the topic", func() bool { return testenv.MessageCount(t, brokers, topic) == 3 })
+	time.Sleep(500 * time.Millisecond)
+	if n := testenv.MessageCount(t, brokers, topic); n != 3 {
+		t.Fatalf("%d messages on %s after reloading the report twice; want 3", n, topic)
+	}
+
+	// A filtered group's confirmation counts what its replay will send:
+	// the letter once, then (its progress moved) nothing.
+	reason := url.Values{"reason": {"^price must not be negative$"}}
+	for i, want := range []string{"<strong>1</strong> within", "<strong>0</strong> within"} {
+		_, page := get(t, signedIn, base+"/replay?"+reason.Encode())
+		if !strings.Contains(page, want) {
+			t.Fatalf("the group's confirmation, %d: want %q in\n%s", i, want, page)
+		}
+		if i == 1 {
+			break
+		}
+		group := url.Values{"reason": reason["reason"], "csrf": {csrfOf(t, page)}}
+		if code, _, where := postRedirect(t, signedIn, base+"/replay", group); code != http.StatusSeeOther {
+			t.Fatalf("the group's replay: %d", code)
+		} else if _, body := get(t, signedIn, srv.URL+where); !strings.Contains(body, "Replayed <strong>1</strong>") {
+			t.Fatalf("the group's report:\n%s", body)
+		}
+	}
+	testenv.Eventually(t, 10*time.Second, "the group's replay on the topic", func() bool { return testenv.MessageCount(t, brokers, topic) == 4 })
+
+	// Two days on, the letter is outside the 24h window: the confirmation
+	// says so and offers no replay, and a replay posted anyway skips it.
+	later, err := svc.Console(console.Config{Token: token, Now: func() time.Time { return time.Now().Add(48 * time.Hour) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	laterSrv := httptest.NewServer(later)
+	t.Cleanup(laterSrv.Close)
+	laterBase := laterSrv.URL + console.DefaultPrefix
+	laterJar, _ := cookiejar.New(nil)
+	laterClient := &http.Client{Jar: laterJar, CheckRedirect: signedIn.CheckRedirect}
+	post(t, laterClient, laterBase+"/login", url.Values{"token": {token}}, nil)
+	_, page = getBytes(t, laterClient, laterBase+"/replay?"+letter.Query().Encode())
+	if !strings.Contains(string(page), "<strong>0</strong> within the replay window, <strong>1</strong> outside it") || !strings.Contains(string(page), `id="confirm" disabled`) {
+		t.Fatalf("the confirmation of a letter outside the window:\n%s", page)
+	}
+	stale := letter.Query()
+	stale.Set("csrf", csrfOf(t, string(page)))
+	if _, _, where := postRedirect(t, laterClient, laterBase+"/replay", stale); where == "" {
+		t.Fatal("a replay of a letter outside the window was not answered with its report")
+	} else if _, body := get(t, laterClient, laterSrv.URL+where); !strings.Contains(body, "Replayed <strong>0</strong>, skipped <strong>1</strong>") {
+		t.Fatalf("the report of a letter outside the window:\n%s", body)
+	}
+
+	// Forgetting a claim needs the session and the form's token.
+	claims := func() int {
+		n, err := inbox.Lookup(context.Background(), pool, tables, poison.ID, group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(n)
+	}
+	forget := url.Values{"event": {poison.ID.String()}, "group": {group}, "database": {"default"}, "confirm": {"yes"}}
+	if code, _ := post(t, http.DefaultClient, base+"/forget", forget, nil); code != http.StatusForbidden || claims() != 1 {
+		t.Fatalf("a forget without the token: %d, %d claims left; want 403 and the claim kept", code, claims())
+	}
+
+	// Signing out ends that session: its cookie, kept, no longer replays.
+	cookies := jar.Cookies(letter)
+	if code, _ := post(t, signedIn, base+"/logout", url.Values{}, nil); code != http.StatusSeeOther {
+		t.Fatalf("sign out: %d", code)
+	}
+	replayed := &http.Client{Jar: &stickyJar{cookies: cookies}}
+	if code, body := post(t, replayed, base+"/replay", form, nil); code != http.StatusForbidden || !strings.Contains(body, "Sign in") {
+		t.Fatalf("a replay with the cookie of a session signed out: %d\n%s", code, body)
+	}
+
+	// A page asked for under another name (DNS rebinding) is refused.
+	req, _ := http.NewRequest(http.MethodGet, base+"/letters", nil)
+	req.Host = "rebound.evil.example"
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMisdirectedRequest || strings.Contains(string(body), "price must not be negative") {
+		t.Fatalf("a request for host rebound.evil.example: %d\n%s", resp.StatusCode, body)
+	}
+	if n := testenv.MessageCount(t, brokers, topic); n != 4 || effects.Load() != 1 {
+		t.Fatalf("%d messages on %s, the effect ran %d times; want 4 (the poison, three replays) and once", n, topic, effects.Load())
+	}
+}
+
+// stickyJar sends its cookies whatever the server says of them: a copy
+// of a session's cookie kept after signing out.
+type stickyJar struct{ cookies []*http.Cookie }
+
+func (j *stickyJar) SetCookies(*url.URL, []*http.Cookie) {}
+func (j *stickyJar) Cookies(*url.URL) []*http.Cookie     { return j.cookies }
+
+func get(t *testing.T, c *http.Client, to string) (int, string) {
+	t.Helper()
+	code, b := getBytes(t, c, to)
+	return code, string(b)
+}
+
+func getBytes(t *testing.T, c *http.Client, to string) (int, []byte) {
+	t.Helper()
+	resp, err := c.Get(to)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
+
+// postRedirect posts form and returns the answer's code, body and where
+// it redirects to.
+func postRedirect(t *testing.T, c *http.Client, to string, form url.Values) (int, string, string) {
+	t.Helper()
+	resp, err := c.PostForm(to, form)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), resp.Header.Get("Location")
+}
+
+func csrfOf(t *testing.T, page string) string {
+	t.Helper()
+	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(page)
+	if m == nil {
+		t.Fatalf("no CSRF token on the page:\n%s", page)
+	}
+	return m[1]
 }
 
 func do(t *testing.T, ctx context.Context, what string, steps ...chromedp.Action[chromedp.Void]) {

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -28,6 +29,7 @@ func parsePages() (map[string]*template.Template, error) {
 	funcs := template.FuncMap{
 		"age":  func(d time.Duration) string { return humanAge(d) },
 		"when": func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05Z") },
+		"add":  func(a, b int64) int64 { return a + b },
 	}
 	pages := map[string]*template.Template{}
 	for _, name := range []string{"letters", "letter", "confirm", "replayed", "groups", "inbox", "error"} {
@@ -316,12 +318,49 @@ func (c *Console) letter(w http.ResponseWriter, r *http.Request) {
 type confirmData struct {
 	One      *letterView // one letter; else the filtered group
 	Filter   filterForm
-	Letters  []letterView
-	InWindow int
-	Stale    int
+	Letters  []letterView // at most Limit of them
+	InWindow int64
+	Stale    int64
+	NotYet   int64 // partitions a filtered replay stops in, at a letter too young
 	// After the replay:
 	Report dlq.Report
-	At     time.Time
+	At     time.Time // by the main database's clock, which its claims' times are on
+	Err    string
+}
+
+// maxResults is how many replays' reports are kept for their pages.
+const maxResults = 100
+
+// results are the reports of the latest replays, each for the page a
+// replay's POST redirects to: reloading that page shows the report again
+// instead of sending the replay again.
+type results struct {
+	mu    sync.Mutex
+	byID  map[string]confirmData
+	order []string
+}
+
+func (rs *results) put(d confirmData) (string, error) {
+	id, err := randomID()
+	if err != nil {
+		return "", err
+	}
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if len(rs.order) >= maxResults {
+		delete(rs.byID, rs.order[0])
+		rs.order = rs.order[1:]
+	}
+	rs.byID[id] = d
+	rs.order = append(rs.order, id)
+	return id, nil
+}
+
+func (rs *results) get(id string) (confirmData, bool) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	d, ok := rs.byID[id]
+	return d, ok
 }
 
 func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
@@ -348,23 +387,41 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		c.render(w, r, http.StatusBadRequest, "error", "Bad filter", err.Error())
 		return
 	}
-	entries, err := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
+	// A dry run from the replay's own progress: the counts are what the
+	// replay will send, not every letter on the topics (letters an earlier
+	// replay with this filter sent are not sent again).
 	d := confirmData{Filter: ff}
-	for _, e := range entries {
-		v := c.view(e, now)
-		d.Letters = append(d.Letters, v)
-		if v.InWindow {
-			d.InWindow++
-		} else {
-			d.Stale++
+	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, func(e dlq.Entry, o dlq.Outcome) {
+		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
+			d.Letters = append(d.Letters, c.view(e, now))
 		}
-	}
+	}), c.cfg.Routes)
+	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
 	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
+}
+
+// replayConfig is the configuration of a replay of a filtered group (in a
+// dry run, of its confirmation), telling each letter's outcome to each.
+func (c *Console) replayConfig(f dlq.Filter, dryRun bool, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
+	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow,
+		Filter: f, Now: c.cfg.Now, DryRun: dryRun, Each: each}
+}
+
+// databaseNow is the main database's clock, which the claims' times are
+// on: a replayed event's claim is compared with it, not with this
+// process's clock, which may be off by more than the replay took.
+func (c *Console) databaseNow(r *http.Request) time.Time {
+	var now time.Time
+	if err := c.cfg.Databases[0].DB.QueryRow(r.Context(), "SELECT clock_timestamp()").Scan(&now); err != nil {
+		c.cfg.Logger.Warn("console: the database's clock; the outcomes compare with this process's", "err", err)
+		return c.cfg.Now()
+	}
+	return now
 }
 
 func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 	now := c.cfg.Now()
-	d := confirmData{At: now}
+	d := confirmData{At: c.databaseNow(r)}
 	var err error
 	if r.PostFormValue("offset") != "" {
 		var rt dlq.Route
@@ -389,16 +446,36 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		d.Filter = ff
-		// Read before the replay, to show which events to follow; the
-		// replay's own report says what it did.
-		entries, _ := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
-		for _, e := range entries {
-			d.Letters = append(d.Letters, c.view(e, now))
-		}
-		d.Report, err = dlq.ReplayRoutes(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
-			Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow, Filter: f, Now: c.cfg.Now}, c.cfg.Routes)
+		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, func(e dlq.Entry, o dlq.Outcome) {
+			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
+				d.Letters = append(d.Letters, c.view(e, now))
+			}
+		}), c.cfg.Routes)
 		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(ff.Query()), "replayed", d.Report.Replayed,
 			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
+	}
+	if err != nil {
+		d.Err = err.Error()
+	}
+	// Redirected to the report's own page: reloading it must not send the
+	// replay again, as reloading this POST's answer would.
+	id, perr := c.results.put(d)
+	if perr != nil {
+		c.render(w, r, http.StatusOK, "replayed", "Replayed", d, err, perr)
+		return
+	}
+	http.Redirect(w, r, c.cfg.Prefix+"/replayed?id="+id, http.StatusSeeOther)
+}
+
+func (c *Console) replayed(w http.ResponseWriter, r *http.Request) {
+	d, ok := c.results.get(r.FormValue("id"))
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "This replay's report is no longer kept (the console keeps the latest reports, in memory): the letters and the inbox show what it did.")
+		return
+	}
+	var err error
+	if d.Err != "" {
+		err = errors.New(d.Err)
 	}
 	c.render(w, r, http.StatusOK, "replayed", "Replayed", d, err)
 }

@@ -27,6 +27,7 @@ type opsSettings struct {
 	Console       bool          `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token."`
 	TokenFile     string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
 	ReplayWindow  time.Duration `name:"console-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"The console replays no letter whose event is older than this, as app dlq replay --max-age."`
+	ConsoleHosts  []string      `name:"console-host" env:"ONCE_CONSOLE_HOSTS" help:"A host name the console answers to besides localhost and IP addresses (such as the name a port-forward is reached by); repeat or comma-separate. Others are refused, against DNS rebinding."`
 }
 
 func (o *opsSettings) Validate() error {
@@ -102,7 +103,7 @@ func (o *ops) attach(svc *once.Service) error {
 	if window == 0 {
 		window = -1 // 0 replays all, as app dlq replay --max-age 0
 	}
-	c, err := svc.Console(console.Config{Token: token, ReplayWindow: window})
+	c, err := svc.Console(console.Config{Token: token, ReplayWindow: window, Hosts: o.settings.ConsoleHosts})
 	if err != nil {
 		return fmt.Errorf("--console (ONCE_CONSOLE): %w", err)
 	}
