@@ -22,12 +22,42 @@ import (
 )
 
 type opsSettings struct {
-	OpsListen     string        `name:"ops-listen" env:"ONCE_OPS_LISTEN" default:"127.0.0.1:9464" help:"Address of /metrics (Prometheus), /healthz and /readyz; empty for none."`
-	WatchInterval time.Duration `name:"watch-interval" env:"ONCE_WATCH_INTERVAL" default:"10s" help:"How often consumer lag, held messages and the claim table are read for /metrics."`
-	Console       bool          `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token."`
-	TokenFile     string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
-	ReplayWindow  time.Duration `name:"console-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"The console replays no letter whose event is older than this, as app dlq replay --max-age."`
-	ConsoleHosts  []string      `name:"console-host" env:"ONCE_CONSOLE_HOSTS" help:"A host name the console answers to besides localhost and IP addresses (such as the name a port-forward is reached by); repeat or comma-separate. Others are refused, against DNS rebinding."`
+	OpsListen     string          `name:"ops-listen" env:"ONCE_OPS_LISTEN" default:"127.0.0.1:9464" help:"Address of /metrics (Prometheus), /healthz and /readyz; empty for none."`
+	WatchInterval time.Duration   `name:"watch-interval" env:"ONCE_WATCH_INTERVAL" default:"10s" help:"How often consumer lag, held messages and the claim table are read for /metrics."`
+	Console       bool            `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token."`
+	ConsoleOf     consoleSettings `embed:""`
+}
+
+// consoleSettings are the console's, in app serve --console and app
+// console alike.
+type consoleSettings struct {
+	TokenFile    string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
+	ReplayWindow time.Duration `name:"console-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"The console replays no letter whose event is older than this, as app dlq replay --max-age; 0 replays all."`
+	Hosts        []string      `name:"console-host" env:"ONCE_CONSOLE_HOSTS" help:"A host name the console answers to besides localhost and IP addresses (such as the name a port-forward is reached by); repeat or comma-separate. Others are refused, against DNS rebinding."`
+}
+
+// config is the console's configuration from these settings.
+func (c consoleSettings) config() (console.Config, error) {
+	token, err := c.token()
+	if err != nil {
+		return console.Config{}, err
+	}
+	window := c.ReplayWindow
+	if window == 0 {
+		window = -1 // 0 replays all, as app dlq replay --max-age 0
+	}
+	return console.Config{Token: token, ReplayWindow: window, Hosts: c.Hosts}, nil
+}
+
+// loopbackOnly refuses a listener that is not on this host: the console
+// shows payloads, which may hold personal data; it is for a person on this
+// host or at the end of a port-forward.
+func loopbackOnly(setting, addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if ip := net.ParseIP(host); err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
+		return fmt.Errorf("%s needs a loopback address such as 127.0.0.1:9464, got %q: reach it with a port-forward", setting, addr)
+	}
+	return nil
 }
 
 func (o *opsSettings) Validate() error {
@@ -35,23 +65,20 @@ func (o *opsSettings) Validate() error {
 		return fmt.Errorf("--watch-interval (ONCE_WATCH_INTERVAL) must be at least 1s, got %s", o.WatchInterval)
 	}
 	if o.Console {
-		// The console shows payloads, which may hold personal data: it is
-		// for a person on this host or at the end of a port-forward.
-		host, _, err := net.SplitHostPort(o.OpsListen)
-		if ip := net.ParseIP(host); err != nil || (host != "localhost" && (ip == nil || !ip.IsLoopback())) {
-			return fmt.Errorf("--console (ONCE_CONSOLE) needs --ops-listen (ONCE_OPS_LISTEN) on a loopback address such as 127.0.0.1:9464, got %q: reach it with a port-forward", o.OpsListen)
+		if err := loopbackOnly("--console (ONCE_CONSOLE): --ops-listen (ONCE_OPS_LISTEN)", o.OpsListen); err != nil {
+			return err
 		}
 	}
 	return nil
 }
 
-// consoleToken is the console's token: ONCE_CONSOLE_TOKEN, else the
-// contents of --console-token-file; "" for a read-only console.
-func (o *opsSettings) consoleToken() (string, error) {
-	if t := os.Getenv("ONCE_CONSOLE_TOKEN"); t != "" || o.TokenFile == "" {
+// token is the console's token: ONCE_CONSOLE_TOKEN, else the contents of
+// --console-token-file; "" for a read-only console.
+func (c consoleSettings) token() (string, error) {
+	if t := os.Getenv("ONCE_CONSOLE_TOKEN"); t != "" || c.TokenFile == "" {
 		return t, nil
 	}
-	b, err := os.ReadFile(o.TokenFile)
+	b, err := os.ReadFile(c.TokenFile)
 	if err != nil {
 		return "", fmt.Errorf("--console-token-file (ONCE_CONSOLE_TOKEN_FILE): %w", err)
 	}
@@ -95,15 +122,11 @@ func (o *ops) attach(svc *once.Service) error {
 	if !o.settings.Console {
 		return nil
 	}
-	token, err := o.settings.consoleToken()
+	cfg, err := o.settings.ConsoleOf.config()
 	if err != nil {
 		return err
 	}
-	window := o.settings.ReplayWindow
-	if window == 0 {
-		window = -1 // 0 replays all, as app dlq replay --max-age 0
-	}
-	c, err := svc.Console(console.Config{Token: token, ReplayWindow: window, Hosts: o.settings.ConsoleHosts})
+	c, err := svc.Console(cfg)
 	if err != nil {
 		return fmt.Errorf("--console (ONCE_CONSOLE): %w", err)
 	}
