@@ -16,6 +16,8 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"net/url"
+	"path"
 	"slices"
 	"strings"
 	"sync"
@@ -154,7 +156,8 @@ type Console struct {
 	// token read from an old page is worth nothing after a restart.
 	csrfKey  []byte
 	sessions sessions
-	results  results
+	plans    kept[plan]
+	results  kept[confirmData]
 }
 
 // New checks cfg and returns the console. It opens no connection.
@@ -167,7 +170,8 @@ func New(cfg Config) (*Console, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Console{cfg: cfg, store: store, csrfKey: make([]byte, 32), sessions: sessions{byID: map[string]time.Time{}}, results: results{byID: map[string]confirmData{}}}
+	c := &Console{cfg: cfg, store: store, csrfKey: make([]byte, 32), sessions: sessions{byID: map[string]time.Time{}},
+		plans: newKept[plan](), results: newKept[confirmData]()}
 	if _, err := rand.Read(c.csrfKey); err != nil {
 		return nil, err
 	}
@@ -233,7 +237,16 @@ func securityHeaders(h http.Handler) http.Handler {
 	})
 }
 
-const sessionCookie = "once_console"
+// sessionCookie is the sign-in cookie's name for r's port: browsers send
+// a cookie to every port of its host, and two consoles on one host (app
+// serve --console and app console) would each take the other's for a
+// stale session of its own.
+func sessionCookie(r *http.Request) string {
+	if _, port, err := net.SplitHostPort(r.Host); err == nil && port != "" {
+		return "once_console_" + port
+	}
+	return "once_console"
+}
 
 // sessionTTL is how long a sign-in lasts; maxSessions bounds what a
 // visitor who signs in again and again can make the process keep.
@@ -297,13 +310,13 @@ func (c *Console) signedIn(r *http.Request) bool {
 	if c.cfg.Token == "" {
 		return false
 	}
-	ck, err := r.Cookie(sessionCookie)
+	ck, err := r.Cookie(sessionCookie(r))
 	return err == nil && c.sessions.valid(ck.Value, c.cfg.Now())
 }
 
 // csrf is the forms' token for r's session.
 func (c *Console) csrf(r *http.Request) string {
-	ck, err := r.Cookie(sessionCookie)
+	ck, err := r.Cookie(sessionCookie(r))
 	if err != nil {
 		return ""
 	}
@@ -343,22 +356,27 @@ func (c *Console) login(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusInternalServerError, "cannot start a session: "+err.Error())
 		return
 	}
-	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Value: id, Path: c.cfg.Prefix, HttpOnly: true,
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie(r), Value: id, Path: c.cfg.Prefix, HttpOnly: true,
 		SameSite: http.SameSiteStrictMode, Secure: r.TLS != nil, MaxAge: int(sessionTTL.Seconds())})
 	http.Redirect(w, r, c.back(r), http.StatusSeeOther)
 }
 
 func (c *Console) logout(w http.ResponseWriter, r *http.Request) {
-	if ck, err := r.Cookie(sessionCookie); err == nil {
+	if ck, err := r.Cookie(sessionCookie(r)); err == nil {
 		c.sessions.end(ck.Value)
 	}
-	http.SetCookie(w, &http.Cookie{Name: sessionCookie, Path: c.cfg.Prefix, MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie(r), Path: c.cfg.Prefix, MaxAge: -1, HttpOnly: true, SameSite: http.SameSiteStrictMode})
 	http.Redirect(w, r, c.back(r), http.StatusSeeOther)
 }
 
-// back is the console page a form came from, never another site.
+// back is the console page a form came from, never another site: a
+// path under the prefix as it is once cleaned (http.Redirect cleans
+// "/console/../\\host" to "/\\host", which browsers read as //host).
 func (c *Console) back(r *http.Request) string {
-	if to := r.PostFormValue("back"); strings.HasPrefix(to, c.cfg.Prefix+"/") && !strings.HasPrefix(to, "//") {
+	to := r.PostFormValue("back")
+	u, err := url.Parse(to)
+	if err == nil && u.Scheme == "" && u.Host == "" && !strings.ContainsRune(to, '\\') &&
+		path.Clean(u.Path) == u.Path && strings.HasPrefix(u.Path, c.cfg.Prefix+"/") {
 		return to
 	}
 	return c.cfg.Prefix + "/letters"

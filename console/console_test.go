@@ -158,6 +158,7 @@ func TestConsoleInABrowser(t *testing.T) {
 		t.Fatalf("a replay signed in, without the CSRF token: %d\n%s", code, body)
 	}
 	form.Set("csrf", string(m[1]))
+	form.Set("plan", hidden(t, string(page), "plan"))
 	for _, h := range []map[string]string{{"Sec-Fetch-Site": "cross-site"}, {"Origin": "https://evil.example"}} {
 		if code, body := post(t, signedIn, base+"/replay", form, h); code != http.StatusForbidden {
 			t.Fatalf("a cross-site replay (%v) with the session and the CSRF token: %d\n%s", h, code, body)
@@ -172,10 +173,14 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 
 	// The replay's answer is a redirect to its report: reloading the
-	// report shows it again and sends nothing.
+	// report shows it again and sends nothing; the confirmation's form
+	// posted again (a double click) replays nothing either.
 	code, _, where := postRedirect(t, signedIn, base+"/replay", form)
 	if code != http.StatusSeeOther {
 		t.Fatalf("a replay signed in, with the CSRF token: %d; want a redirect to its report", code)
+	}
+	if code, body, _ := postRedirect(t, signedIn, base+"/replay", form); code != http.StatusConflict {
+		t.Fatalf("the same confirmation posted again: %d; want 409\n%s", code, body)
 	}
 	for range 2 {
 		if code, body := get(t, signedIn, srv.URL+where); code != http.StatusOK || !strings.Contains(body, "Replayed <strong>1</strong>") {
@@ -199,7 +204,7 @@ func TestConsoleInABrowser(t *testing.T) {
 		if i == 1 {
 			break
 		}
-		group := url.Values{"reason": reason["reason"], "csrf": {csrfOf(t, page)}}
+		group := url.Values{"csrf": {csrfOf(t, page)}, "plan": {hidden(t, page, "plan")}}
 		if code, _, where := postRedirect(t, signedIn, base+"/replay", group); code != http.StatusSeeOther {
 			t.Fatalf("the group's replay: %d", code)
 		} else if _, body := get(t, signedIn, srv.URL+where); !strings.Contains(body, "Replayed <strong>1</strong>") {
@@ -224,8 +229,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	if !strings.Contains(string(page), "<strong>0</strong> within the replay window, <strong>1</strong> outside it") || !strings.Contains(string(page), `id="confirm" disabled`) {
 		t.Fatalf("the confirmation of a letter outside the window:\n%s", page)
 	}
-	stale := letter.Query()
-	stale.Set("csrf", csrfOf(t, string(page)))
+	stale := url.Values{"csrf": {csrfOf(t, string(page))}, "plan": {hidden(t, string(page), "plan")}}
 	if _, _, where := postRedirect(t, laterClient, laterBase+"/replay", stale); where == "" {
 		t.Fatal("a replay of a letter outside the window was not answered with its report")
 	} else if _, body := get(t, laterClient, laterSrv.URL+where); !strings.Contains(body, "Replayed <strong>0</strong>, skipped <strong>1</strong>") {
@@ -311,9 +315,15 @@ func postRedirect(t *testing.T, c *http.Client, to string, form url.Values) (int
 
 func csrfOf(t *testing.T, page string) string {
 	t.Helper()
-	m := regexp.MustCompile(`name="csrf" value="([0-9a-f]+)"`).FindStringSubmatch(page)
+	return hidden(t, page, "csrf")
+}
+
+// hidden is the value of the page's hidden field name.
+func hidden(t *testing.T, page, name string) string {
+	t.Helper()
+	m := regexp.MustCompile(`name="` + name + `" value="([0-9a-f]+)"`).FindStringSubmatch(page)
 	if m == nil {
-		t.Fatalf("no CSRF token on the page:\n%s", page)
+		t.Fatalf("no %s on the page:\n%s", name, page)
 	}
 	return m[1]
 }

@@ -135,10 +135,14 @@ func (f filterForm) filter() (dlq.Filter, error) {
 	return out, errors.Join(errs...)
 }
 
+// dlqTopics are the routes' dead-letter topics, each once: two topics
+// may share one.
 func (c *Console) dlqTopics() []string {
 	out := make([]string, 0, len(c.cfg.Routes))
 	for _, r := range c.cfg.Routes {
-		out = append(out, r.DLQTopic)
+		if !slices.Contains(out, r.DLQTopic) {
+			out = append(out, r.DLQTopic)
+		}
 	}
 	return out
 }
@@ -297,7 +301,7 @@ func (c *Console) letterAt(r *http.Request) (dlq.Route, int32, int64, dlq.Entry,
 	rt, ok := c.route(r.FormValue("topic"))
 	p, perr := strconv.ParseInt(r.FormValue("partition"), 10, 32)
 	o, oerr := strconv.ParseInt(r.FormValue("offset"), 10, 64)
-	if !ok || perr != nil || oerr != nil {
+	if !ok || perr != nil || oerr != nil || p < 0 || o < 0 {
 		return rt, 0, 0, dlq.Entry{}, errors.New("no such letter: topic must be one of the dead-letter topics, partition and offset numbers")
 	}
 	e, err := dlq.ReadLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopic: rt.DLQTopic}, int32(p), o)
@@ -321,52 +325,78 @@ type confirmData struct {
 	Letters  []letterView // at most Limit of them
 	InWindow int64
 	Stale    int64
-	NotYet   int64 // partitions a filtered replay stops in, at a letter too young
+	NotYet   int64  // partitions a filtered replay stops in, at a letter too young
+	Plan     string // the confirmation's id, which its form posts
 	// After the replay:
+	ID     string // the report's, for the inbox's links
 	Report dlq.Report
-	At     time.Time // by the main database's clock, which its claims' times are on
-	Err    string
+	// At is when the replay started by each database's clock (by name):
+	// a claim's time is on its own database's.
+	At  map[string]time.Time
+	Err string
 }
 
-// maxResults is how many replays' reports are kept for their pages.
-const maxResults = 100
+// plan is what a confirmation page showed, and so what its replay does:
+// the one letter, or the filter and where each partition's read ended.
+// Its form posts only the plan's id; a plan is used once.
+type plan struct {
+	one    *dlq.Position
+	offset int64
+	filter filterForm
+	until  map[dlq.Position]int64
+}
 
-// results are the reports of the latest replays, each for the page a
-// replay's POST redirects to: reloading that page shows the report again
-// instead of sending the replay again.
-type results struct {
+// maxKept is how many confirmations and reports each are kept.
+const maxKept = 100
+
+// kept holds the latest maxKept values of a kind by a random id, in this
+// process: the confirmations' plans, and the reports a replay's POST
+// redirects to (reloading the report shows it again instead of sending
+// the replay again).
+type kept[T any] struct {
 	mu    sync.Mutex
-	byID  map[string]confirmData
+	byID  map[string]T
 	order []string
 }
 
-func (rs *results) put(d confirmData) (string, error) {
+func newKept[T any]() kept[T] { return kept[T]{byID: map[string]T{}} }
+
+func (k *kept[T]) put(v T) (string, error) {
 	id, err := randomID()
 	if err != nil {
 		return "", err
 	}
-	rs.mu.Lock()
-	defer rs.mu.Unlock()
-	if len(rs.order) >= maxResults {
-		delete(rs.byID, rs.order[0])
-		rs.order = rs.order[1:]
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for len(k.order) >= maxKept {
+		delete(k.byID, k.order[0])
+		k.order = k.order[1:]
 	}
-	rs.byID[id] = d
-	rs.order = append(rs.order, id)
+	k.byID[id] = v
+	k.order = append(k.order, id)
 	return id, nil
 }
 
-func (rs *results) get(id string) (confirmData, bool) {
-	rs.mu.Lock()
-	defer rs.mu.Unlock()
-	d, ok := rs.byID[id]
-	return d, ok
+func (k *kept[T]) get(id string) (T, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	v, ok := k.byID[id]
+	return v, ok
+}
+
+// take is get, and the value is gone: a plan replays once.
+func (k *kept[T]) take(id string) (T, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	v, ok := k.byID[id]
+	delete(k.byID, id)
+	return v, ok
 }
 
 func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	now := c.cfg.Now()
 	if r.FormValue("offset") != "" {
-		_, _, _, e, err := c.letterAt(r)
+		rt, p, o, e, err := c.letterAt(r)
 		if err != nil {
 			c.fail(w, r, http.StatusNotFound, err.Error())
 			return
@@ -378,7 +408,8 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		} else {
 			d.Stale = 1
 		}
-		c.render(w, r, http.StatusOK, "confirm", "Replay one letter?", d)
+		d.Plan, err = c.plans.put(plan{one: &dlq.Position{Topic: rt.DLQTopic, Partition: p}, offset: o})
+		c.render(w, r, http.StatusOK, "confirm", "Replay one letter?", d, err)
 		return
 	}
 	ff := filterOf(r)
@@ -391,67 +422,82 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	// replay will send, not every letter on the topics (letters an earlier
 	// replay with this filter sent are not sent again).
 	d := confirmData{Filter: ff}
-	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, func(e dlq.Entry, o dlq.Outcome) {
+	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
 		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
 			d.Letters = append(d.Letters, c.view(e, now))
 		}
 	}), c.cfg.Routes)
 	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
+	if err != nil {
+		// Counts read in part are no promise: no form to confirm them.
+		c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
+		return
+	}
+	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends})
 	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 }
 
 // replayConfig is the configuration of a replay of a filtered group (in a
 // dry run, of its confirmation), telling each letter's outcome to each.
-func (c *Console) replayConfig(f dlq.Filter, dryRun bool, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
+func (c *Console) replayConfig(f dlq.Filter, dryRun bool, until map[dlq.Position]int64, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
 	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow,
-		Filter: f, Now: c.cfg.Now, DryRun: dryRun, Each: each}
+		Filter: f, Now: c.cfg.Now, DryRun: dryRun, Until: until, Each: each}
 }
 
-// databaseNow is the main database's clock, which the claims' times are
-// on: a replayed event's claim is compared with it, not with this
-// process's clock, which may be off by more than the replay took.
-func (c *Console) databaseNow(r *http.Request) time.Time {
-	var now time.Time
-	if err := c.cfg.Databases[0].DB.QueryRow(r.Context(), "SELECT clock_timestamp()").Scan(&now); err != nil {
-		c.cfg.Logger.Warn("console: the database's clock; the outcomes compare with this process's", "err", err)
-		return c.cfg.Now()
+// databaseClocks are the databases' clocks, by name, which their claims'
+// times are on: a replayed event's claim is compared with its own
+// database's clock, not with this process's, which may be off by more
+// than the replay took.
+func (c *Console) databaseClocks(r *http.Request) map[string]time.Time {
+	out := map[string]time.Time{}
+	for _, db := range c.cfg.Databases {
+		var now time.Time
+		if err := db.DB.QueryRow(r.Context(), "SELECT clock_timestamp()").Scan(&now); err != nil {
+			c.cfg.Logger.Warn("console: a database's clock; its outcomes compare with this process's", "database", db.Name, "err", err)
+			now = c.cfg.Now()
+		}
+		out[db.Name] = now
 	}
-	return now
+	return out
 }
 
 func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
+	pl, ok := c.plans.take(r.PostFormValue("plan"))
+	if !ok {
+		c.fail(w, r, http.StatusConflict, "This confirmation was used already, or is no longer kept: a replay is sent once per confirmation. Open the letters and confirm again.")
+		return
+	}
 	now := c.cfg.Now()
-	d := confirmData{At: c.databaseNow(r)}
+	d := confirmData{At: c.databaseClocks(r)}
 	var err error
-	if r.PostFormValue("offset") != "" {
-		var rt dlq.Route
-		var p int32
-		var o int64
-		var e dlq.Entry
-		if rt, p, o, e, err = c.letterAt(r); err != nil {
-			c.fail(w, r, http.StatusNotFound, err.Error())
+	if pl.one != nil {
+		rt, ok := c.route(pl.one.Topic)
+		if !ok {
+			c.fail(w, r, http.StatusNotFound, "no such dead-letter topic")
 			return
 		}
-		v := c.view(e, now)
-		d.One = &v
-		d.Report, _, err = dlq.ReplayLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
-			DLQTopic: rt.DLQTopic, Topic: rt.Topic, MaxAge: c.cfg.ReplayWindow, Now: c.cfg.Now}, p, o)
-		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", p, "offset", o, "event_id", e.EventID,
+		var e dlq.Entry
+		d.Report, e, err = dlq.ReplayLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
+			DLQTopic: rt.DLQTopic, Topic: rt.Topic, MaxAge: c.cfg.ReplayWindow, Now: c.cfg.Now}, pl.one.Partition, pl.offset)
+		if err == nil || e.DLQTopic != "" {
+			v := c.view(e, now)
+			d.One = &v
+		}
+		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID,
 			"replayed", d.Report.Replayed, "skipped_stale", d.Report.SkippedStale, "remote", r.RemoteAddr, "err", err)
 	} else {
-		ff := filterOf(r)
-		f, ferr := ff.filter()
+		f, ferr := pl.filter.filter()
 		if ferr != nil {
 			c.fail(w, r, http.StatusBadRequest, ferr.Error())
 			return
 		}
-		d.Filter = ff
-		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, func(e dlq.Entry, o dlq.Outcome) {
+		d.Filter = pl.filter
+		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
 			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
 				d.Letters = append(d.Letters, c.view(e, now))
 			}
 		}), c.cfg.Routes)
-		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(ff.Query()), "replayed", d.Report.Replayed,
+		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed,
 			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
 	}
 	if err != nil {
@@ -469,6 +515,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 
 func (c *Console) replayed(w http.ResponseWriter, r *http.Request) {
 	d, ok := c.results.get(r.FormValue("id"))
+	d.ID = r.FormValue("id")
 	if !ok {
 		c.fail(w, r, http.StatusNotFound, "This replay's report is no longer kept (the console keeps the latest reports, in memory): the letters and the inbox show what it did.")
 		return
@@ -549,7 +596,8 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 type inboxData struct {
 	Event   string
 	EventAt time.Time
-	Since   time.Time // a replay's time: each claim says whether it came after
+	Replay  string    // a replay's report: each claim says whether it came after
+	Since   time.Time // when that replay started, by the main database's clock
 	Claims  []claimRow
 	Looked  bool
 }
@@ -577,8 +625,10 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 	d.Looked = true
 	sec, nsec := id.Time().UnixTime()
 	d.EventAt = time.Unix(sec, nsec)
-	if s := r.FormValue("since"); s != "" {
-		d.Since, _ = time.Parse(time.RFC3339Nano, s)
+	var since map[string]time.Time
+	if res, ok := c.results.get(r.FormValue("replay")); ok {
+		d.Replay, since = r.FormValue("replay"), res.At
+		d.Since = since[c.cfg.Databases[0].Name]
 	}
 	var errs []error
 	for _, db := range c.cfg.Databases {
@@ -589,11 +639,11 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 		}
 		for _, cl := range claims {
 			row := claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256)}
-			if !d.Since.IsZero() {
+			if at, ok := since[db.Name]; ok {
 				// Claimed after the replay: the replay processed it. Before:
 				// the replayed message met the claim, a duplicate.
 				row.Outcome = "duplicate (claimed before the replay)"
-				if !cl.ProcessedAt.Before(d.Since) {
+				if !cl.ProcessedAt.Before(at) {
 					row.Outcome = "processed by the replay"
 				}
 			}

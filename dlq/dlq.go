@@ -12,7 +12,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -58,7 +60,18 @@ type Config struct {
 	// Each, if set, is told every letter read and what became of it
 	// (in a dry run, what would).
 	Each func(Entry, Outcome)
-	Now  func() time.Time
+	// Until, if set, bounds the replay to what a dry run read: each
+	// partition stops at its offset here (the dry run's [Report.Ends]);
+	// a partition not in it is not read. Letters dead-lettered after the
+	// dry run wait for the next replay instead of being sent unseen.
+	Until map[Position]int64
+	Now   func() time.Time
+}
+
+// Position is a partition of a dead-letter topic.
+type Position struct {
+	Topic     string
+	Partition int32
 }
 
 // Outcome is what a replay does with one letter.
@@ -78,7 +91,19 @@ type Report struct {
 	Filtered     int64 // left out by the filter, for good
 	NotYet       int64 // partitions stopped at a letter too young for the filter's MinAge
 	ByTopic      map[string]int64
+	// Ends is where each partition's read ended: [Config.Until] for a
+	// replay that is to do what this one (a dry run) said.
+	Ends map[Position]int64
 }
+
+func newReport() Report { return Report{ByTopic: map[string]int64{}, Ends: map[Position]int64{}} }
+
+// replaying keeps two replays of one progress group on one dead-letter
+// topic in this process apart (a double-clicked button, two operators):
+// both would read from the same committed offset and send every letter
+// twice. Replays in two processes are not kept apart; the consumers'
+// claims make the second sending harmless.
+var replaying sync.Map // progress group + "\x00" + DLQ topic -> *sync.Mutex
 
 // headers that describe the failed delivery, not the event: not replayed.
 var dropped = map[string]bool{
@@ -135,6 +160,11 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	}
 	defer consumer.Close()
 	group := progressGroup(cfg.Group, cfg.Filter)
+	if !cfg.DryRun {
+		mu, _ := replaying.LoadOrStore(group+"\x00"+cfg.DLQTopic, new(sync.Mutex))
+		mu.(*sync.Mutex).Lock()
+		defer mu.(*sync.Mutex).Unlock()
+	}
 	offsets, err := sarama.NewOffsetManagerFromClient(group, client)
 	if err != nil {
 		return Report{}, fmt.Errorf("dlq: offsets of %s: %w", group, err)
@@ -145,7 +175,7 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
 		// No letter yet: the topic is made with its first one. A replay of
 		// every route must not stop at a topic that never had a letter.
-		return Report{ByTopic: map[string]int64{}}, nil
+		return newReport(), nil
 	}
 	if err != nil {
 		return Report{}, fmt.Errorf("dlq: partitions of %s: %w", cfg.DLQTopic, err)
@@ -174,58 +204,98 @@ func Replay(ctx context.Context, cfg Config) (Report, error) {
 			return Report{}, err
 		}
 		start = max(start, oldest)
+		if cfg.Until != nil {
+			until, ok := cfg.Until[Position{cfg.DLQTopic, p}]
+			if !ok {
+				until = start
+			}
+			end = min(end, until)
+		}
 		if start < end {
 			spans = append(spans, span{pom, p, start, end})
 			total += end - start
 		}
 	}
 
-	rep := Report{ByTopic: map[string]int64{}}
+	rep := newReport()
 	var done int64
-	for _, s := range spans {
-		pc, err := consumer.ConsumePartition(cfg.DLQTopic, s.partition, s.start)
-		if err != nil {
-			return rep, fmt.Errorf("dlq: read partition %d: %w", s.partition, err)
-		}
-		for next := s.start; next < s.end; {
-			var m *sarama.ConsumerMessage
-			select {
-			case m = <-pc.Messages():
-			case <-ctx.Done():
-				pc.Close()
-				offsets.Commit()
-				return rep, ctx.Err()
-			}
-			if cfg.Filter.MinAge > 0 && cfg.Now().Sub(eventTime(m)) < cfg.Filter.MinAge {
-				// Too young for this filter today, not for good: the
-				// partition stops here, and the next replay with the same
-				// filter starts from this letter.
-				rep.NotYet++
-				if cfg.Each != nil {
-					cfg.Each(entryOf(m), NotYet)
-				}
-				break
-			}
-			if err := replayOne(cfg, producer, m, &rep); err != nil {
-				pc.Close()
-				offsets.Commit()
-				return rep, err
-			}
-			next = m.Offset + 1
-			if !cfg.DryRun {
-				s.pom.MarkOffset(next, "")
-			}
+	var errs []error
+	for _, sp := range spans {
+		rep.Ends[Position{cfg.DLQTopic, sp.partition}] = sp.end
+		// A partition that fails (a letter that cannot be sent, a read
+		// that stops) keeps its letters from there for the next replay;
+		// the other partitions go on.
+		err := replayPartition(ctx, cfg, consumer, producer, sp.pom, sp.partition, sp.start, sp.end, &rep, func() {
 			done++
 			if cfg.Progress != nil {
 				cfg.Progress(done, total)
 			}
+		})
+		if err != nil {
+			errs = append(errs, err)
 		}
-		pc.Close()
+		if ctx.Err() != nil {
+			break
+		}
 	}
 	if !cfg.DryRun {
 		offsets.Commit()
 	}
-	return rep, nil
+	return rep, errors.Join(errs...)
+}
+
+// replayPartition replays one partition's letters from start to end,
+// marking each as done once it is (never in a dry run).
+func replayPartition(ctx context.Context, cfg Config, consumer sarama.Consumer, producer sarama.SyncProducer, pom sarama.PartitionOffsetManager,
+	partition int32, start, end int64, rep *Report, step func()) error {
+	pc, err := consumer.ConsumePartition(cfg.DLQTopic, partition, start)
+	if err != nil {
+		return fmt.Errorf("dlq: read %s/%d: %w", cfg.DLQTopic, partition, err)
+	}
+	defer pc.Close()
+	for next := start; next < end; {
+		m, err := nextMessage(ctx, pc, cfg.DLQTopic, partition)
+		if err != nil {
+			return err
+		}
+		if m.Offset >= end {
+			return nil // the letters before end were deleted by retention while read
+		}
+		if cfg.Filter.MinAge > 0 && cfg.Now().Sub(eventTime(m)) < cfg.Filter.MinAge {
+			// Too young for this filter today, not for good: the
+			// partition stops here, and the next replay with the same
+			// filter starts from this letter.
+			rep.NotYet++
+			if cfg.Each != nil {
+				cfg.Each(entryOf(m), NotYet)
+			}
+			return nil
+		}
+		if err := replayOne(cfg, producer, m, rep); err != nil {
+			return err
+		}
+		next = m.Offset + 1
+		if !cfg.DryRun {
+			pom.MarkOffset(next, "")
+		}
+		step()
+	}
+	return nil
+}
+
+// nextMessage is pc's next message. sarama closes Messages when the
+// partition cannot be read on (its next offset was deleted by retention
+// while read: ErrOffsetOutOfRange): an error, not a nil message.
+func nextMessage(ctx context.Context, pc sarama.PartitionConsumer, topic string, partition int32) (*sarama.ConsumerMessage, error) {
+	select {
+	case m, ok := <-pc.Messages():
+		if !ok {
+			return nil, fmt.Errorf("dlq: %s/%d: the read stopped (letters deleted by retention while read?); the next replay goes on from there", topic, partition)
+		}
+		return m, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
 // eventTime is when the event itself happened, from the UUIDv7 in its
@@ -308,19 +378,30 @@ type Route struct {
 
 // ReplayRoutes runs [Replay] for each route in turn (cfg's Topic and
 // DLQTopic are each route's) and adds up their reports: what app dlq replay
-// and the console's replay of a filtered group both run. It stops at the
-// first route that fails, with the report so far.
+// and the console's replay of a filtered group both run. A dead-letter
+// topic two routes share is replayed once (its letters say which topic
+// each goes back to). A route that fails does not stop the others: the
+// error joins every route's.
 func ReplayRoutes(ctx context.Context, cfg Config, routes []Route) (Report, error) {
-	total := Report{ByTopic: map[string]int64{}}
+	total := newReport()
+	var errs []error
+	seen := map[string]bool{}
 	for _, r := range routes {
+		if seen[r.DLQTopic] {
+			continue
+		}
+		seen[r.DLQTopic] = true
 		cfg.Topic, cfg.DLQTopic = r.Topic, r.DLQTopic
 		rep, err := Replay(ctx, cfg)
 		total.add(rep)
 		if err != nil {
-			return total, err
+			errs = append(errs, err)
+		}
+		if ctx.Err() != nil {
+			break
 		}
 	}
-	return total, nil
+	return total, errors.Join(errs...)
 }
 
 func (r *Report) add(o Report) {
@@ -331,6 +412,7 @@ func (r *Report) add(o Report) {
 	for t, n := range o.ByTopic {
 		r.ByTopic[t] += n
 	}
+	maps.Copy(r.Ends, o.Ends)
 }
 
 // ReplayLetter republishes the one letter at partition and offset of
@@ -356,7 +438,7 @@ func ReplayLetter(ctx context.Context, cfg Config, partition int32, offset int64
 		return Report{}, Entry{}, fmt.Errorf("dlq: producer: %w", err)
 	}
 	defer producer.Close()
-	rep := Report{ByTopic: map[string]int64{}}
+	rep := newReport()
 	err = replayOne(cfg, producer, m, &rep)
 	return rep, entryOf(m), err
 }
@@ -368,6 +450,9 @@ func readerConfig(s *sarama.Config) *sarama.Config {
 	cc.Version = s.Version
 	cc.ClientID = s.ClientID
 	cc.Net = s.Net
+	// Reading a dead-letter topic that does not exist must not make it,
+	// with the broker's defaults, where auto-creation is on.
+	cc.Metadata.AllowAutoTopicCreation = false
 	return cc
 }
 
@@ -384,7 +469,8 @@ func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*s
 	if err != nil {
 		return nil, fmt.Errorf("dlq: end of %s/%d: %w", cfg.DLQTopic, partition, err)
 	}
-	if offset >= end {
+	if offset < 0 || offset >= end {
+		// A negative offset is sarama's "newest": the same wait.
 		return nil, fmt.Errorf("dlq: %s/%d@%d: no such letter (the partition ends at %d)", cfg.DLQTopic, partition, offset, end)
 	}
 	consumer, err := sarama.NewConsumerFromClient(client)
@@ -397,16 +483,15 @@ func readOne(ctx context.Context, cfg Config, partition int32, offset int64) (*s
 		return nil, fmt.Errorf("dlq: read %s/%d@%d: %w", cfg.DLQTopic, partition, offset, err)
 	}
 	defer pc.Close()
-	select {
-	case m := <-pc.Messages():
-		if m.Offset != offset {
-			// Compacted or deleted: the next record is another letter.
-			return nil, fmt.Errorf("dlq: %s/%d@%d is gone (retention removed it)", cfg.DLQTopic, partition, offset)
-		}
-		return m, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	m, err := nextMessage(ctx, pc, cfg.DLQTopic, partition)
+	if err != nil {
+		return nil, err
 	}
+	if m.Offset != offset {
+		// Compacted or deleted: the next record is another letter.
+		return nil, fmt.Errorf("dlq: %s/%d@%d is gone (retention removed it)", cfg.DLQTopic, partition, offset)
+	}
+	return m, nil
 }
 
 // ReadLetter returns the letter at partition and offset of cfg.DLQTopic

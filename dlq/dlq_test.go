@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -226,5 +228,149 @@ func TestAReplayOfEveryRouteSkipsADeadLetterTopicNeverMade(t *testing.T) {
 		[]dlq.Route{{Topic: target, DLQTopic: never}, {Topic: target, DLQTopic: dlqTopic}})
 	if err != nil || rep.Replayed != 1 {
 		t.Fatalf("a replay of a route without a dead-letter topic and one with a letter: %+v, %v; want the letter replayed", rep, err)
+	}
+}
+
+// Review finding: retention deleting letters ahead of a replay's read
+// makes sarama close the partition consumer's Messages (ErrOffsetOutOfRange);
+// Replay read a nil message and panicked. It now returns an error.
+func TestAReplayOutrunByRetentionFailsWithoutPanicking(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	pad := strings.Repeat("x", 2000)
+	var msgs []*sarama.ProducerMessage
+	for range 3000 {
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: dlqTopic, Value: sarama.StringEncoder(`{"event_id":"` + uuid.Must(uuid.NewV7()).String() + `","pad":"` + pad + `"}`)})
+	}
+	if err := testenv.Producer(t, brokers).SendMessages(msgs); err != nil {
+		t.Fatal(err)
+	}
+	admin := testenv.Admin(t, brokers)
+	deleted := 0
+	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+		Group: "retention-" + uuid.NewString()[:8], DryRun: true,
+		Each: func(dlq.Entry, dlq.Outcome) {
+			if deleted == 0 {
+				if err := admin.DeleteRecords(dlqTopic, map[int32]int64{0: 2900}); err != nil {
+					t.Errorf("delete records: %v", err)
+				}
+			}
+			deleted++
+		}}
+	rep, err := dlq.Replay(context.Background(), cfg)
+	if deleted == 0 {
+		t.Fatal("no letter was read: the deletion was not staged")
+	}
+	// Either sarama had fetched past 2900 already (the read goes on, and
+	// ends at the end), or its read stopped: an error, never a panic.
+	t.Logf("read %d letters; report %+v, err %v", deleted, rep, err)
+	if err == nil && rep.Replayed+rep.SkippedStale < 100 {
+		t.Fatalf("no error, and only %d letters judged", rep.Replayed)
+	}
+}
+
+// Review finding: nothing kept two replays of one progress group apart (a
+// double-clicked button, two operators of one console): both read from the
+// same offset and each letter was sent twice.
+func TestTwoReplaysAtOnceSendEachLetterOnce(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	var msgs []*sarama.ProducerMessage
+	for range 100 {
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: dlqTopic, Value: sarama.StringEncoder(`{"event_id":"` + uuid.Must(uuid.NewV7()).String() + `"}`)})
+	}
+	if err := testenv.Producer(t, brokers).SendMessages(msgs); err != nil {
+		t.Fatal(err)
+	}
+	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "twice-" + uuid.NewString()[:8]}
+	var wg sync.WaitGroup
+	var sent atomic.Int64
+	for range 2 {
+		wg.Go(func() {
+			rep, err := dlq.Replay(context.Background(), cfg)
+			if err != nil {
+				t.Error(err)
+			}
+			sent.Add(rep.Replayed)
+		})
+	}
+	wg.Wait()
+	if n := testenv.MessageCount(t, brokers, target); n != 100 || sent.Load() != 100 {
+		t.Fatalf("two replays at once sent %d (reported %d); want each of the 100 letters once", n, sent.Load())
+	}
+}
+
+// Review finding: a letter that cannot be sent (its topic deleted, or not
+// writable) stopped the replay: every later replay stopped at it, the
+// other partitions and routes included. It now holds its own partition
+// only (its letters wait, none is lost), and the error names it.
+func TestALetterThatCannotBeSentHoldsItsPartitionOnly(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 2)
+	otherDLQ := testenv.Topic(t, brokers, 1)
+	target := testenv.Topic(t, brokers, 1)
+	pc := saramaConfig(t)
+	pc.Producer.Partitioner = sarama.NewManualPartitioner
+	prod, err := sarama.NewSyncProducer(brokers, pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { prod.Close() })
+	retired := "retired-" + uuid.NewString()[:8]
+	send := func(topic string, partition int32, to string) {
+		if _, _, err := prod.SendMessage(&sarama.ProducerMessage{Topic: topic, Partition: partition, Value: sarama.StringEncoder(`{"event_id":"` + uuid.Must(uuid.NewV7()).String() + `"}`),
+			Headers: []sarama.RecordHeader{{Key: []byte(middleware.PoisonedTopicKey), Value: []byte(to)}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send(dlqTopic, 0, retired) // cannot be sent: the topic does not exist
+	send(dlqTopic, 0, target)  // behind it: waits
+	send(dlqTopic, 1, target)  // another partition
+	send(otherDLQ, 0, target)  // another route
+	sc := saramaConfig(t)
+	sc.Producer.Retry.Max = 1
+	sc.Metadata.AllowAutoTopicCreation = false
+	cfg := dlq.Config{Brokers: brokers, Sarama: sc, Group: "held-" + uuid.NewString()[:8]}
+	routes := []dlq.Route{{Topic: target, DLQTopic: dlqTopic}, {Topic: target, DLQTopic: otherDLQ}}
+	rep, err := dlq.ReplayRoutes(context.Background(), cfg, routes)
+	if err == nil || !strings.Contains(err.Error(), retired) || rep.Replayed != 2 {
+		t.Fatalf("a replay with a letter that cannot be sent: %+v, %v; want the other partition's and route's 2 sent and the error naming %s", rep, err, retired)
+	}
+	rep, err = dlq.ReplayRoutes(context.Background(), cfg, routes)
+	if err == nil || rep.Replayed != 0 {
+		t.Fatalf("the next replay: %+v, %v; want it held at the same letter again, nothing sent twice", rep, err)
+	}
+	if n := testenv.MessageCount(t, brokers, target); n != 2 {
+		t.Fatalf("%d on the target; want 2", n)
+	}
+}
+
+// A replay bounded by a dry run's ends sends what the dry run read, and
+// not the letters that came after.
+func TestAReplayUntilADryRunsEndsSendsWhatItRead(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	dlqTopic := testenv.Topic(t, brokers, 2)
+	target := testenv.Topic(t, brokers, 1)
+	prod := testenv.Producer(t, brokers)
+	for i := range 4 {
+		testenv.Publish(t, prod, dlqTopic, fmt.Sprint("k", i), []byte(`{}`))
+	}
+	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "until-" + uuid.NewString()[:8], DryRun: true}
+	dry, err := dlq.Replay(context.Background(), cfg)
+	if err != nil || dry.Replayed != 4 {
+		t.Fatalf("the dry run: %+v, %v", dry, err)
+	}
+	for i := range 6 {
+		testenv.Publish(t, prod, dlqTopic, fmt.Sprint("later", i), []byte(`{}`))
+	}
+	cfg.DryRun, cfg.Until = false, dry.Ends
+	if rep, err := dlq.Replay(context.Background(), cfg); err != nil || rep.Replayed != 4 {
+		t.Fatalf("the replay until the dry run's ends: %+v, %v; want its 4", rep, err)
+	}
+	cfg.Until = nil
+	if rep, err := dlq.Replay(context.Background(), cfg); err != nil || rep.Replayed != 6 {
+		t.Fatalf("the next replay: %+v, %v; want the 6 that came later", rep, err)
 	}
 }

@@ -159,22 +159,21 @@ func List(ctx context.Context, cfg ListConfig) ([]Entry, error) {
 				return nil, fmt.Errorf("dlq: read %s/%d: %w", topic, p, err)
 			}
 			for next := start; next < end; {
-				select {
-				case m := <-pc.Messages():
-					if e := entryOf(m); cfg.Filter.Matches(e, now) {
-						out = append(out, e)
-						if len(out) >= 2*cfg.Limit {
-							// Entries carry their payloads: a topic of
-							// millions of letters must not be held in memory
-							// (the console lists from the consumer's process).
-							out = newest(out, cfg.Limit)
-						}
-					}
-					next = m.Offset + 1
-				case <-ctx.Done():
+				m, err := nextMessage(ctx, pc, topic, p)
+				if err != nil {
 					pc.Close()
-					return out, ctx.Err()
+					return newest(out, cfg.Limit), err
 				}
+				if e := entryOf(m); cfg.Filter.Matches(e, now) {
+					out = append(out, e)
+					if len(out) >= 2*cfg.Limit {
+						// Entries carry their payloads: a topic of
+						// millions of letters must not be held in memory
+						// (the console lists from the consumer's process).
+						out = newest(out, cfg.Limit)
+					}
+				}
+				next = m.Offset + 1
 			}
 			pc.Close()
 		}

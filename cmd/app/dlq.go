@@ -160,9 +160,8 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f,
 		Progress: func(done, n int64) { p.Set("replaying: %d/%d", done, n) },
 	}, routes)
-	if err != nil {
-		return err
-	}
+	// What was sent is said even when a partition failed: its letters
+	// wait there, and the others went on.
 	p.Done()
 	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",
 		total.Replayed, total.SkippedStale, c.MaxAge, total.Filtered)
@@ -173,5 +172,8 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	for topic, n := range total.ByTopic {
 		fmt.Fprintf(w, "  %s\t%d\n", topic, n)
 	}
-	return w.Flush()
+	if ferr := w.Flush(); err == nil {
+		err = ferr
+	}
+	return err
 }
