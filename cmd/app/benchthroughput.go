@@ -48,6 +48,7 @@ type benchCmd struct {
 	Rates        []int      `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
 	RateEvents   int        `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
 	Plot         string     `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png)."`
+	CPUProfile   string     `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
 }
 
 func (b *benchCmd) Validate() error {
@@ -139,7 +140,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		measurements++
 		group := fmt.Sprintf("%s.%d.%s.p%d", run, measurements, strings.ToLower(variant), partitions)
 		groups = append(groups, group)
-		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions), started)
+		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions), started, b.profileArgs(variant, measurements)...)
 		if err != nil {
 			line.Done()
 			fmt.Fprintf(d.stderr, "bench %s: %v\n", variant, err)
@@ -198,7 +199,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			measurements++
 			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
 			groups = append(groups, group)
-			f, err := b.atRate(ctx, d, admin, version, variant, topic, group, rate, started)
+			f, err := b.atRate(ctx, d, admin, version, variant, topic, group, rate, started, b.profileArgs(variant, measurements)...)
 			if err != nil {
 				line.Done()
 				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
@@ -327,7 +328,7 @@ type rateRow struct {
 // atRate measures variant while events are produced at rate: the consumer
 // joins its group first, so that it reads them as they come, not a
 // backlog.
-func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin, version sarama.KafkaVersion, variant, topic, group string, rate int, since time.Time) (benchFigures, error) {
+func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin, version sarama.KafkaVersion, variant, topic, group string, rate int, since time.Time, extra ...string) (benchFigures, error) {
 	type result struct {
 		f   benchFigures
 		err error
@@ -336,7 +337,7 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	childCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), since, "--from-produce")
+		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), since, append(extra, "--from-produce")...)
 		done <- result{f, err}
 	}()
 	joined := time.Now().Add(time.Minute)
@@ -359,6 +360,16 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	}
 	r := <-done
 	return r.f, r.err
+}
+
+// profileArgs asks measurement n's process for its CPU profile, if
+// --cpuprofile is set.
+func (b *benchCmd) profileArgs(variant string, n int) []string {
+	if b.CPUProfile == "" {
+		return nil
+	}
+	ext := filepath.Ext(b.CPUProfile)
+	return []string{"--cpuprofile", fmt.Sprintf("%s.%s.%d%s", strings.TrimSuffix(b.CPUProfile, ext), variant, n, ext)}
 }
 
 // child runs one measurement in a process of its own and adds its peak RSS.
