@@ -3,6 +3,7 @@ package orderevents
 import (
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/google/uuid"
@@ -97,6 +98,49 @@ func (c Confirmed) MarshalJSON() ([]byte, error) {
 		return nil, fmt.Errorf("%s: encode: %w", TypeConfirmedV1, err)
 	}
 	return b, nil
+}
+
+// CanonicalJSON is the event's values in canonical form, its fingerprint
+// (pipeline.CanonicalEvent): byte for byte what idempotency.CanonicalJSON
+// makes of MarshalJSON's form (members by name, integers as exact decimals
+// without trailing zeros, the time in UTC without trailing zeros), so that
+// claims stored before it match. Written directly: it runs for every event
+// consumed, and the round trip through encoding/json cost a consumer about
+// a third of its CPU.
+func (c Confirmed) CanonicalJSON() ([]byte, error) {
+	at := c.occurredAt.UTC()
+	at = at.Add(-time.Duration(at.Nanosecond() % 1000)) // MarshalJSON keeps microseconds
+	b := make([]byte, 0, 192)
+	b = append(b, `{"customer_id":`...)
+	b = appendCanonicalInt(b, c.customerID)
+	b = append(b, `,"event_id":"`...)
+	b = append(b, c.eventID.String()...)
+	b = append(b, `","event_type":"`+TypeConfirmedV1+`","occurred_at":"`...)
+	b = at.AppendFormat(b, time.RFC3339Nano)
+	b = append(b, `","order_id":`...)
+	b = appendCanonicalInt(b, c.orderID)
+	b = append(b, `,"total_amount":"`...)
+	b = append(b, c.totalAmount.StringFixed(MaxFractionDigits)...)
+	return append(b, `"}`...), nil
+}
+
+// appendCanonicalInt appends n as idempotency.CanonicalJSON writes a number:
+// its significant digits, and the trailing zeros as a power of ten (1200 is
+// 12e2).
+func appendCanonicalInt(b []byte, n int64) []byte {
+	if n == 0 {
+		return append(b, '0')
+	}
+	b = strconv.AppendInt(b, n, 10)
+	zeros := 0
+	for b[len(b)-1-zeros] == '0' {
+		zeros++
+	}
+	if zeros == 0 {
+		return b
+	}
+	b = append(b[:len(b)-zeros], 'e')
+	return strconv.AppendInt(b, int64(zeros), 10)
 }
 
 func (c Confirmed) EventID() uuid.UUID           { return c.eventID }

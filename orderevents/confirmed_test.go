@@ -195,3 +195,34 @@ func TestNewConfirmedValidates(t *testing.T) {
 		}
 	}
 }
+
+// The canonical form of events at the edges: integers with trailing zeros,
+// zero and negative ones, times without a fraction, far from UTC, and with
+// nanoseconds MarshalJSON drops.
+func TestConfirmedCanonicalFormIsTheOneDerivedFromItsJSON(t *testing.T) {
+	id := uuid.Must(uuid.NewV7())
+	at := time.Date(2026, 12, 2, 15, 8, 21, 123456789, time.FixedZone("", -5*3600))
+	for _, c := range []struct {
+		at              time.Time
+		order, customer int64
+		amount          string
+	}{
+		{at, 1234567, 89, "129.90"},
+		{at.Truncate(time.Second), 1000, 1, "0.01"},
+		{at.Truncate(time.Millisecond), 9223372036854775807, 100, "999999999999999999.99"},
+		{time.Date(1, 1, 1, 0, 0, 0, 1000, time.UTC), -1200, -9223372036854775808, "0.10"},
+		{time.Date(9999, 12, 31, 23, 59, 59, 999999999, time.UTC), 10, 20, "5.00"},
+	} {
+		ev, err := orderevents.NewConfirmed(id, c.at, c.order, c.customer, decimal.RequireFromString(c.amount))
+		if err != nil {
+			t.Logf("%v: not a valid event (%v)", c, err)
+			continue
+		}
+		sameCanonicalForm(t, ev)
+	}
+	for _, payload := range confirmedSeeds {
+		if ev, err := orderevents.DecodeConfirmed([]byte(payload)); err == nil {
+			sameCanonicalForm(t, ev)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"testing"
 
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/orderevents"
 )
 
@@ -33,7 +34,27 @@ func FuzzDecodeConfirmed(f *testing.F) {
 			return
 		}
 		roundTrip(t, payload, ev, func(b []byte) (json.Marshaler, error) { return orderevents.DecodeConfirmed(b) })
+		sameCanonicalForm(t, ev)
 	})
+}
+
+// sameCanonicalForm: the canonical form Confirmed writes itself is the one
+// the pipeline made of its JSON before it had one; claims stored then must
+// match.
+func sameCanonicalForm(t *testing.T, ev orderevents.Confirmed) {
+	t.Helper()
+	marshalled, err := json.Marshal(ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := idempotency.CanonicalJSON(marshalled)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := ev.CanonicalJSON()
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("canonical form %s (%v); want %s, from %s", got, err, want, marshalled)
+	}
 }
 
 func FuzzDecodeCancelled(f *testing.F) {
