@@ -8,20 +8,28 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/once-dev/once/middleware/idempotency"
 )
 
-// batcher is a group's group commit. Every message still passes through the
-// whole chain on its own goroutine (the router's); at the claim, the first
-// attempt of each joins a batch, and one goroutine claims, handles and
+// batcher is a group's group commit: one goroutine claims, handles and
 // commits batch after batch (idempotency.Middleware.ProcessBatch). What a
-// batch cannot decide runs on its own, through the group's per-event claim:
-// holding, dead-lettering and everything else stay as they are.
+// batch cannot decide runs on its own, through the router and the group's
+// whole chain: holding, dead-lettering and everything else stay as they are.
+//
+// A message reaches a batch one of two ways. On the direct path (see
+// [Batch]) the subscriber hands it to take, which decodes it and queues it:
+// no router goroutine, no per-message chain, and the batch acknowledges it.
+// Otherwise it passes through the whole chain on the router's goroutine,
+// and at the claim its first attempt joins a batch and waits for the
+// verdict there.
 //
 // A partition's events stay in order. The subscriber announces each message
 // as it hands it out, in the partition's order; a message joins a batch only
@@ -37,6 +45,14 @@ type batcher struct {
 	handle func(ctx context.Context, tx pgx.Tx, evs []any) error
 	inTx   []message.HandlerMiddleware // a team's InTx, once per batch
 	cfg    Batch
+
+	// The direct path: decode is the topic's; toRouter gives a message the
+	// batch could not decide to the router, false when its partition or
+	// the subscription is gone. decided counts the messages a batch
+	// acknowledged on it.
+	decode   func([]byte) (decoded, error)
+	toRouter func(*message.Message) bool
+	decided  atomic.Int64
 
 	mu      sync.Mutex
 	queues  map[partitionOf]*[]*batchEntry // announced, in order
@@ -91,6 +107,13 @@ type batchEntry struct {
 	// waits to be handed out again. See handOff.
 	handedOut time.Time
 	result    chan error // buffered: the batch never waits for its reader
+	// direct: taken on the direct path; no goroutine waits for it, the
+	// batch acknowledges it or gives it to the router. span is its trace's.
+	direct bool
+	span   trace.Span
+	// verdict: the permanent error its batch found (a reused id); its run
+	// in the chain returns it at the claim, to be dead-lettered.
+	verdict error
 }
 
 // handOff is how long a message handed out may take to reach the claim
@@ -112,27 +135,84 @@ func (b *batcher) announce(msg *message.Message) {
 	if !ok {
 		return
 	}
-	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
-	key := partitionOf{c.owner, c.partition}
-	ek := entryKey{c.owner, msg.UUID}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	e, _ := b.place(c, msg)
+	e.state, e.msg, e.runAlone, e.handedOut = announced, nil, false, time.Now()
+}
+
+// take is the direct path (see [Batch]): it decodes msg and queues it for
+// a batch, and reports whether it did. A message it cannot decode is only
+// announced, and goes the router's way to be dead-lettered there, holding
+// its followers until it is.
+func (b *batcher) take(msg *message.Message) bool {
+	c, ok := claimOf(msg)
+	if !ok {
+		return false
+	}
+	ev, err := decodeRecovered(b.decode, msg.Payload)
+	if err != nil {
+		b.announce(msg)
+		return false
+	}
+	if hook := b.p.cfg.Hooks.OnDelivered; hook != nil {
+		hook(delivery(b.topic, b.group, msg))
+	}
+	ctx, span := b.p.startSpan(msg.Context(), b.topic, b.group, msg)
+	// One record of external effects for the whole delivery, as hold gives
+	// one: a batch that rolls back after an effect marks it, and the
+	// message's own run in the chain still sees the mark.
+	ctx = context.WithValue(idempotency.WithDelivery(ctx), eventCtxKey{}, ev)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, isNew := b.place(c, msg)
+	if !isNew && e.state != announced {
+		// Never so: a message is handed out again only once its chain
+		// gave it back. Should it be, its chain decides it.
+		span.End()
+		return false
+	}
+	msg.SetContext(ctx)
+	now := time.Now()
+	e.state, e.msg, e.ctx, e.since, e.runAlone, e.handedOut = waiting, msg, ctx, now, false, now
+	e.direct, e.span, e.verdict = true, span, nil
+	b.signal()
+	return true
+}
+
+// decodeRecovered is decode, with a panic as an error: the message then goes
+// the router's way, whose recoverer holds it.
+func decodeRecovered(decode func([]byte) (decoded, error), payload []byte) (ev decoded, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("pipeline: the decoder panicked: %v", r)
+		}
+	}()
+	return decode(payload)
+}
+
+// place finds msg's entry, or puts a new one in its place in its
+// partition's queue. Caller holds b.mu.
+func (b *batcher) place(c claimInfo, msg *message.Message) (*batchEntry, bool) {
+	ek := entryKey{c.owner, msg.UUID}
 	if e := b.entries[ek]; e != nil {
 		// Handed out again after it was given back: still in its place.
-		e.state, e.msg, e.runAlone, e.handedOut = announced, nil, false, time.Now()
-		return
+		return e, false
 	}
+	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
+	key := partitionOf{c.owner, c.partition}
 	q := b.queues[key]
 	if q == nil {
 		q = new([]*batchEntry)
 		b.queues[key] = q
 	}
-	e := &batchEntry{key: ek, offset: offset, queue: key, handedOut: time.Now()}
+	e := &batchEntry{key: ek, offset: offset, queue: key}
 	// In offset order, so that a message handed out again lands before
 	// those that followed it.
 	i, _ := slices.BinarySearchFunc(*q, offset, func(e *batchEntry, o int64) int { return int(e.offset - o) })
 	*q = slices.Insert(*q, i, e)
 	b.entries[ek] = e
+	return e, true
 }
 
 // track wraps a batched group's whole chain: a message that leaves it
@@ -159,7 +239,7 @@ func (b *batcher) leave(msg *message.Message, keepPlace bool) {
 		return
 	}
 	if keepPlace {
-		e.state, e.msg, e.runAlone, e.handedOut = announced, nil, false, time.Time{}
+		e.state, e.msg, e.runAlone, e.handedOut, e.verdict = announced, nil, false, time.Time{}, nil
 	} else {
 		b.remove(e)
 	}
@@ -216,6 +296,11 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 		if e == nil {
 			b.mu.Unlock()
 			return next(msg)
+		}
+		if verdict := e.verdict; verdict != nil {
+			// Its batch on the direct path proved it permanent.
+			b.mu.Unlock()
+			return nil, verdict
 		}
 		if attempt > 1 || e.state != announced {
 			// Its first attempt failed before it reached a batch, or its
@@ -388,10 +473,14 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 			items := make([]batchItem, len(ready))
 			for i, e := range ready {
 				e.state = inBatch
-				// Not NewMessage: nothing acknowledges the copy, so it needs
-				// none of the acknowledgement channels NewMessage makes.
-				frozen := &message.Message{UUID: e.msg.UUID, Metadata: maps.Clone(e.msg.Metadata), Payload: e.msg.Payload}
-				frozen.SetContext(e.ctx)
+				frozen := e.msg // on the direct path, the batch's alone
+				if !e.direct {
+					// Not NewMessage: nothing acknowledges the copy, so it
+					// needs none of the acknowledgement channels NewMessage
+					// makes.
+					frozen = &message.Message{UUID: e.msg.UUID, Metadata: maps.Clone(e.msg.Metadata), Payload: e.msg.Payload}
+					frozen.SetContext(e.ctx)
+				}
 				items[i] = batchItem{e: e, msg: e.msg, frozen: frozen}
 			}
 			b.mu.Unlock()
@@ -432,10 +521,12 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.
 	for key, q := range b.queues {
 		if key.owner.Err() != nil {
 			// The session ended: its messages are the next owner's. Those
-			// no goroutine holds (announced, never handed out) go now; the
-			// others leave with their goroutines.
+			// no goroutine holds (announced, never handed out; waiting on
+			// the direct path) go now; the others leave with their
+			// goroutines, or their batch.
 			for _, e := range slices.Clone(*q) {
-				if e.state == announced || e.state == done {
+				if e.state == announced || e.state == done || (e.direct && e.state == waiting) {
+					b.endSpan(e, ErrRevoked)
 					b.remove(e)
 				}
 			}
@@ -555,12 +646,32 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 		}
 		b.p.cfg.Hooks.OnBatch(done)
 	}
+	type verdict struct {
+		e   *batchEntry
+		err error
+	}
+	var acked []*batchEntry
+	var givenBack []verdict
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	first := map[partitionOf]bool{}
 	for i, it := range batch {
 		e := it.e
 		runAlone := errors.Is(results[i], idempotency.ErrRunAlone)
+		if e.direct {
+			if results[i] == nil {
+				b.remove(e)
+				acked = append(acked, e)
+				continue
+			}
+			// Everything else runs on its own through the chain, where
+			// awaitTurn keeps its partition's order.
+			if !runAlone {
+				e.verdict = results[i]
+			}
+			e.state, e.direct = alone, false
+			givenBack = append(givenBack, verdict{e, results[i]})
+			continue
+		}
 		if e.msg != it.msg {
 			// Its goroutine gave up and left meanwhile. Undecided, it will
 			// be handed out again in its place, and its followers wait.
@@ -584,4 +695,48 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 		}
 	}
 	b.signal()
+	b.mu.Unlock()
+	b.decided.Add(int64(len(acked)))
+	for _, e := range acked {
+		b.endSpan(e, nil)
+		e.msg.Ack()
+	}
+	for _, v := range givenBack {
+		b.endSpan(v.e, v.err)
+		go b.giveBack(v.e, v.e.msg)
+	}
+}
+
+// giveBack sends a message its batch could not decide through the router
+// and the whole chain, as if it came from the subscriber now; one whose
+// partition or subscription is gone leaves its queue for the next owner.
+func (b *batcher) giveBack(e *batchEntry, msg *message.Message) {
+	msg.SetContext(context.WithValue(msg.Context(), givenBackCtxKey{}, true))
+	if b.toRouter(msg) {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.entries[e.key] == e && e.msg == msg {
+		b.remove(e)
+		b.signal()
+	}
+}
+
+// givenBackCtxKey marks a message the direct path gave to the router: its
+// delivery was reported, and its record of external effects made, there.
+type givenBackCtxKey struct{}
+
+func givenBack(msg *message.Message) bool { return msg.Context().Value(givenBackCtxKey{}) != nil }
+
+// endSpan ends a direct entry's span with its outcome.
+func (b *batcher) endSpan(e *batchEntry, err error) {
+	if e.span == nil {
+		return
+	}
+	if err != nil {
+		e.span.SetStatus(codes.Error, err.Error())
+	}
+	e.span.End()
+	e.span = nil
 }

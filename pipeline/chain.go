@@ -89,30 +89,19 @@ func EventFrom[E Event](ctx context.Context) (ev E, ok bool) {
 // gave the message: its end is the shutdown's, whatever contexts a team's
 // middleware puts in front of it later.
 func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
-	spanName := "process " + topic
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			d := delivery(topic, group, msg)
-			if p.cfg.Hooks.OnDelivered != nil {
+			if p.cfg.Hooks.OnDelivered != nil && !givenBack(msg) {
+				// A message the direct path gave back was reported there.
 				p.cfg.Hooks.OnDelivered(d)
 			}
 			orig := msg.Context()
 			// The claim is looked up here once: later lookups find it a few
 			// contexts up instead of at the bottom of the router's chain.
 			c, _ := claimOf(msg)
-			// The producer's trace continues here: the handler's context
-			// carries this span to the provider's HTTP request and into the
-			// events it publishes through the outbox.
-			ctx := otel.GetTextMapPropagator().Extract(orig, tracing.MetadataCarrier(msg.Metadata))
-			ctx, span := p.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindConsumer))
+			ctx, span := p.startSpan(orig, topic, group, msg)
 			defer span.End()
-			if span.IsRecording() {
-				// Only for a span that is kept: without a tracer provider
-				// these allocations would be the whole cost of tracing.
-				span.SetAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
-					attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
-					attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition)))
-			}
 			ctx = context.WithValue(ctx, publisherCtxKey{}, p.publisher)
 			msg.SetContext(context.WithValue(ctx, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: c, delivery: d}))
 			defer msg.SetContext(orig)
@@ -123,6 +112,22 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			return out, err
 		}
 	}
+}
+
+// startSpan continues the producer's trace: the handler's context carries
+// this span to the provider's HTTP request and into the events it publishes
+// through the outbox.
+func (p *Pipeline) startSpan(ctx context.Context, topic, group string, msg *message.Message) (context.Context, trace.Span) {
+	ctx = otel.GetTextMapPropagator().Extract(ctx, tracing.MetadataCarrier(msg.Metadata))
+	ctx, span := p.tracer.Start(ctx, "process "+topic, trace.WithSpanKind(trace.SpanKindConsumer))
+	if span.IsRecording() {
+		// Only for a span that is kept: without a tracer provider these
+		// allocations would be the whole cost of tracing.
+		span.SetAttributes(attribute.String("messaging.system", "kafka"), attribute.String("messaging.destination.name", topic),
+			attribute.String("messaging.consumer.group.name", group), attribute.String("messaging.kafka.offset", msg.Metadata.Get(MetaKafkaOffset)),
+			attribute.String("messaging.destination.partition.id", msg.Metadata.Get(MetaKafkaPartition)))
+	}
+	return ctx, span
 }
 
 // stopped reports whether the message is being processed while the pipeline
@@ -294,10 +299,14 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			// One record of external effects for every attempt of this
-			// delivery: after an attempt charged, none is permanent.
+			// delivery: after an attempt charged, none is permanent. A
+			// message the direct path gave back has its record from there,
+			// marked by its batch.
 			delivered := msg.Context()
-			msg.SetContext(idempotency.WithDelivery(delivered))
-			defer msg.SetContext(delivered)
+			if !givenBack(msg) {
+				msg.SetContext(idempotency.WithDelivery(delivered))
+				defer msg.SetContext(delivered)
+			}
 			revoked := revokedOf(msg)
 			wait := p.cfg.HoldBackoff
 			var heldSince time.Time

@@ -37,7 +37,10 @@
 //  11. Extra.InTx, for first deliveries, then the handler. A chain that
 //     returns messages to publish is refused ([ErrReturnedMessages]).
 //
-// Middleware of a team's own [Config.Router] runs outside all of this.
+// Middleware of a team's own [Config.Router] runs outside all of this. A
+// batched group without Observe and BeforeClaim takes the direct path (see
+// [Batch]): its messages skip the router and every stage before the claim
+// but decoding, and only those the batch cannot decide pass them.
 // Each group may keep its claims and tables in a database of its own
 // ([Group.DB]); migrate and retain each of them.
 //

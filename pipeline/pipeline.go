@@ -616,7 +616,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		TxStatementTimeout: cfg.TxStatementTimeout,
 		// No pause inside an attempt outlasts the attempt itself.
 		IdleInTransactionTimeout: cfg.AttemptTimeout + cfg.StatementTimeout,
-		OnResult:                 cfg.Hooks.OnResult,
+		OnResult:                 resultsOf(t.name, cfg.Hooks.OnResult),
 		Logger:                   cfg.Logger,
 		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
@@ -628,18 +628,28 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	}
 
 	var batch *batcher
-	var onSend func(*message.Message)
+	var onSend func(*message.Message) bool
 	inTx := g.extra.InTx
 	if p.rollBack != nil {
 		inTx = append(slices.Clone(inTx), p.rollBackAfterHandler)
 	}
 	if g.handleBatch != nil {
 		batch = newBatcher(p, t.name, g.name, idem, g.handleBatch, inTx, g.batch)
-		onSend = batch.announce
+		onSend = func(msg *message.Message) bool { batch.announce(msg); return false }
+		// The direct path (see Batch): nothing of the team's has to see
+		// each message on its way to the batch.
+		if p.ownRouter && len(g.extra.Observe) == 0 && len(g.extra.BeforeClaim) == 0 {
+			batch.decode = g.decode
+			onSend = batch.take
+		}
 		p.batchers = append(p.batchers, batch)
 	}
 	if sub != nil {
-		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: sub.addTopic(t.name, window, onSend)})
+		f := sub.addTopic(t.name, window, onSend)
+		if batch != nil {
+			batch.toRouter = f.send
+		}
+		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f})
 	}
 
 	var chain []message.HandlerMiddleware
@@ -687,6 +697,20 @@ func delivery(topic, group string, msg *message.Message) Delivery {
 	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
 	return Delivery{Topic: topic, Group: group, Partition: int32(partition), Offset: offset,
 		Key: msg.Metadata.Get(MetaKafkaKey), Headers: msg.Metadata}
+}
+
+// resultsOf reports a group's results with their topic: a message of the
+// direct path never passed through the router, which names it.
+func resultsOf(topic string, hook func(idempotency.Result)) func(idempotency.Result) {
+	if hook == nil {
+		return nil
+	}
+	return func(r idempotency.Result) {
+		if r.Topic == "" {
+			r.Topic = topic
+		}
+		hook(r)
+	}
 }
 
 func kafkaLogAttrs(msg *message.Message) []any {

@@ -76,8 +76,11 @@ type feed struct {
 	topic  string
 	window int
 	// onSend, if set, is told of every message just before it is handed to
-	// the router, in its partition's order (a batched group's ordering).
-	onSend func(*message.Message)
+	// the router, in its partition's order (a batched group's ordering); it
+	// returns true when it took the message itself (a batched group's
+	// direct path), which the router then never sees unless it is given
+	// back with send.
+	onSend func(*message.Message) bool
 	out    chan *message.Message
 	// outMu orders sends on out against its close: the channel closes as
 	// soon as the subscription ends, while sarama may still be winding the
@@ -102,7 +105,7 @@ func newSubscriber(brokers []string, group string, config *sarama.Config, log *s
 }
 
 // addTopic registers a topic of the group before anything is subscribed.
-func (s *subscriber) addTopic(topic string, window int, onSend func(*message.Message)) *feed {
+func (s *subscriber) addTopic(topic string, window int, onSend func(*message.Message) bool) *feed {
 	f := &feed{topic: topic, window: max(window, 1), onSend: onSend, out: make(chan *message.Message)}
 	s.feeds[topic] = f
 	s.fixed = true
@@ -310,7 +313,7 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 			case <-h.ctx.Done():
 				return nil
 			}
-			if !h.handOut(f, m.msg, owner) {
+			if !h.handOut(f, m.msg) {
 				return nil
 			}
 		case <-owner.Done():
@@ -355,7 +358,7 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 					return
 				}
 				m.msg = h.message(m.km, owner)
-				if !h.handOut(f, m.msg, owner) {
+				if !h.handOut(f, m.msg) {
 					return
 				}
 				continue
@@ -383,22 +386,44 @@ func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context
 }
 
 // handOut gives msg to the router, announced first (a batched group's
-// ordering): the router may run it at once.
-func (h *claimHandler) handOut(f *feed, msg *message.Message, owner context.Context) bool {
+// ordering): the router may run it at once. A batched group may take it
+// instead.
+func (h *claimHandler) handOut(f *feed, msg *message.Message) bool {
 	f.outMu.RLock()
 	defer f.outMu.RUnlock()
 	if f.outClosed {
 		return false
 	}
-	if f.onSend != nil {
-		f.onSend(msg)
+	if f.onSend != nil && f.onSend(msg) {
+		return true
+	}
+	return f.sendLocked(msg)
+}
+
+// send gives msg, a message of the current session, to the router, unless
+// the subscription ended or msg's partition was revoked meanwhile.
+func (f *feed) send(msg *message.Message) bool {
+	f.outMu.RLock()
+	defer f.outMu.RUnlock()
+	if f.outClosed {
+		return false
+	}
+	return f.sendLocked(msg)
+}
+
+// sendLocked: the caller holds f.outMu for reading. msg's context ends with
+// the subscription, and its claim's owner with the partition's session.
+func (f *feed) sendLocked(msg *message.Message) bool {
+	var revoked <-chan struct{}
+	if c, ok := claimOf(msg); ok {
+		revoked = c.owner.Done()
 	}
 	select {
 	case f.out <- msg:
 		return true
-	case <-owner.Done():
+	case <-revoked:
 		return false
-	case <-h.ctx.Done():
+	case <-msg.Context().Done():
 		return false
 	}
 }

@@ -66,6 +66,20 @@ type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) err
 // batches are large under load and a single event when the stream is
 // quiet, which then waits for nothing. MaxWait bounds the wait for events
 // on their way.
+//
+// A batched group's messages take the direct path unless the group has
+// Extra.Observe or Extra.BeforeClaim middleware or the pipeline runs in a
+// team's Config.Router: the subscriber hands each message, decoded,
+// straight to the group commit, without a router goroutine and the chain
+// of stages every message passes otherwise, and the batch acknowledges it
+// once it committed. A message a batch cannot decide (the batch failed, a
+// reused id) or that cannot be decoded goes through the router and the
+// whole chain, on its own, as on the other path: held, dead-lettered or
+// processed, its partition's order kept. Router-level middleware and
+// subscriber decorators (Watermill's router metrics that SetupRouter adds)
+// see only those; [Hooks] see every message. A group with Observe or
+// BeforeClaim, which must see each message, keeps the chain for all of its
+// messages; InTx runs once per batch on either path.
 type Batch struct {
 	// Size is the most events in one transaction. Default: 100.
 	Size int
@@ -151,7 +165,10 @@ type Extra struct {
 	// acknowledged (processed, skipped or dead-lettered), an error when it
 	// was left for redelivery; Hooks.OnResult and OnDeadLetter tell which.
 	// It runs before the attempts: [DeliveryFrom] gives Attempt 0 there.
-	// For metrics, logs and traces.
+	// For metrics, logs and traces. A batched group with Observe or
+	// BeforeClaim leaves the direct path (see [Batch]): every message
+	// passes the whole chain on a goroutine of its own, as it must for
+	// them to see it.
 	Observe []message.HandlerMiddleware
 	// BeforeClaim runs after decoding and before the claim's transaction
 	// begins, inside the retries and the recoverer: a failure there is

@@ -298,7 +298,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		}
 		fmt.Fprintf(w, "\npicture: %s\n", b.Plot)
 	}
-	fmt.Fprintln(w, "\nlatency: from a message entering the group's chain (P, PB, B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
+	fmt.Fprintln(w, "\nlatency: from a message's delivery to the group (P, PB: Hooks.OnDelivered), entering the handler (B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
 	for _, f := range main {
 		if f.Skipped != "" && f.Variant != "Peer" {
 			return fmt.Errorf("bench: %s failed: %s", f.Variant, f.Skipped)
