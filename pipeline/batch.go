@@ -511,13 +511,19 @@ func (b *batcher) next(ctx context.Context) []batchItem {
 	}
 }
 
-// ready lists the waiting messages that may join a batch: every message
-// before them in their partition is done; and whether more could join it
-// soon: handed out less than handOff ago, on their way to the claim, with
-// nothing before them that is not in the list or done (arriving is when
-// the latest of them was handed out; zero for none). Caller holds b.mu.
+// ready lists the waiting messages that may join a batch, up to Size,
+// oldest first across partitions: every message before them in their
+// partition is done or in the list before them. And whether more could
+// join it soon: handed out less than handOff ago, on their way to the
+// claim, with nothing before them that is not in the list or done
+// (arriving is when the latest of them was handed out; zero for none).
+// Caller holds b.mu.
 func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.Time) {
 	now := time.Now()
+	// Each partition's candidates, one partition after another: from
+	// starts[i] up to starts[i+1].
+	var candidates []*batchEntry
+	var starts []int
 	for key, q := range b.queues {
 		if key.owner.Err() != nil {
 			// The session ended: its messages are the next owner's. Those
@@ -532,6 +538,7 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.
 			}
 			continue
 		}
+		starts = append(starts, len(candidates))
 		pending := false // a message before this one is in the batch being formed
 		for _, e := range *q {
 			if e.state == done {
@@ -548,12 +555,12 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.
 			}
 			if e.state == waiting {
 				pending = true
-				ready = append(ready, e)
+				candidates = append(candidates, e)
 				if oldest.IsZero() || e.since.Before(oldest) {
 					oldest = e.since
 				}
-				if len(ready) >= b.cfg.Size {
-					return ready, oldest, arriving
+				if len(candidates)-starts[len(starts)-1] >= b.cfg.Size {
+					break
 				}
 				continue
 			}
@@ -565,6 +572,25 @@ func (b *batcher) ready() (ready []*batchEntry, oldest time.Time, arriving time.
 			}
 			break
 		}
+	}
+	if len(candidates) <= b.cfg.Size {
+		return candidates, oldest, arriving
+	}
+	// More than a batch: the oldest first, each partition's in its order,
+	// so that no partition waits batch after batch behind busier ones (map
+	// order would pick them at random).
+	next := slices.Clone(starts)
+	starts = append(starts, len(candidates))
+	ready = make([]*batchEntry, 0, b.cfg.Size)
+	for len(ready) < b.cfg.Size {
+		best := -1
+		for p, i := range next {
+			if i < starts[p+1] && (best < 0 || candidates[i].since.Before(candidates[next[best]].since)) {
+				best = p
+			}
+		}
+		ready = append(ready, candidates[next[best]])
+		next[best]++
 	}
 	return ready, oldest, arriving
 }
