@@ -58,7 +58,7 @@ type batcher struct {
 	queues  map[partitionOf]*[]*batchEntry // announced, in order
 	entries map[entryKey]*batchEntry
 	wake    chan struct{} // the batch loop's
-	changed chan struct{} // closed (and replaced) at every change, for those awaiting their turn
+	changed chan struct{} // closed at the next change, for those awaiting their turn; nil while none does
 }
 
 // entryKey names a message as one session handed it out: the same offset
@@ -125,7 +125,7 @@ const handOff = 2 * time.Millisecond
 func newBatcher(p *Pipeline, topic, group string, idem *idempotency.Middleware, handle func(ctx context.Context, tx pgx.Tx, evs []any) error,
 	inTx []message.HandlerMiddleware, cfg Batch) *batcher {
 	return &batcher{topic: topic, group: group, p: p, idem: idem, handle: handle, inTx: inTx, cfg: cfg,
-		queues: map[partitionOf]*[]*batchEntry{}, entries: map[entryKey]*batchEntry{}, wake: make(chan struct{}, 1), changed: make(chan struct{})}
+		queues: map[partitionOf]*[]*batchEntry{}, entries: map[entryKey]*batchEntry{}, wake: make(chan struct{}, 1)}
 }
 
 // announce records msg as its partition's next message; the subscriber calls
@@ -267,8 +267,10 @@ func (b *batcher) signal() {
 	case b.wake <- struct{}{}:
 	default:
 	}
-	close(b.changed)
-	b.changed = make(chan struct{})
+	if b.changed != nil {
+		close(b.changed)
+		b.changed = nil
+	}
 }
 
 type attemptCtxKey struct{}
@@ -378,6 +380,11 @@ func (b *batcher) awaitTurn(msg *message.Message, e *batchEntry) error {
 			b.signal() // no longer on its way to a batch
 			b.mu.Unlock()
 			return nil
+		}
+		if b.changed == nil {
+			// Made for those who wait only: the direct path signals at
+			// every message, and mostly nobody waits.
+			b.changed = make(chan struct{})
 		}
 		changed := b.changed
 		b.mu.Unlock()
