@@ -309,9 +309,7 @@ func TestARebalanceEndsABatchUnderWayOnTheDirectPath(t *testing.T) {
 	cfgA := e.config(stuck)
 	cfgA.AttemptTimeout = 5 * time.Minute
 	stopA := run(t, cfgA)
-	for i := range 24 {
-		testenv.Publish(t, e.Prod, e.Topic, fmt.Sprint(i), payload(t, validEvent(t, "3.00")))
-	}
+	sequenced(t, e, 24, 8)
 	select {
 	case <-entered:
 	case <-time.After(30 * time.Second):
