@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -91,7 +92,8 @@ func orderedBatches(r *recorder, o *inOrder, handle func(ctx context.Context, tx
 // A batched group without Observe or BeforeClaim takes the direct path:
 // every message acknowledged by its batch, in its partition's order, and
 // the hooks see each one, its topic named. A group with Observe or
-// BeforeClaim keeps the chain for every message, which they see.
+// BeforeClaim keeps the chain for every message, which they see, and so
+// does a group in a team's router, whose middleware sees every message.
 func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage(t *testing.T) {
 	const events = 300
 	pass := func(seen *atomic.Int64) message.HandlerMiddleware {
@@ -106,7 +108,8 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 		name        string
 		observe     bool
 		beforeClaim bool
-	}{{"direct", false, false}, {"with Observe", true, false}, {"with BeforeClaim", false, true}} {
+		teamsRouter bool // with router-level middleware of the team's
+	}{{"direct", false, false, false}, {"with Observe", true, false, false}, {"with BeforeClaim", false, true, false}, {"in the team router", false, false, true}} {
 		t.Run(c.name, func(t *testing.T) {
 			e := newEnv(t, 3)
 			r := &recorder{group: uniqueGroup("direct")}
@@ -132,6 +135,14 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 					}
 				},
 			}
+			if c.teamsRouter {
+				router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				router.AddMiddleware(pass(&seen))
+				cfg.Router = router
+			}
 			p, err := pipeline.New(cfg)
 			if err != nil {
 				t.Fatal(err)
@@ -141,7 +152,7 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 			testenv.Eventually(t, time.Minute, "every event processed", func() bool { return effects(t, e.Pool, r.group) == events })
 			o.check(t)
 			direct := pipeline.DecidedDirectly(p)
-			if c.observe || c.beforeClaim {
+			if c.observe || c.beforeClaim || c.teamsRouter {
 				if direct != 0 || seen.Load() != events {
 					t.Fatalf("%d messages decided on the direct path, the team's middleware saw %d; want none, and all %d", direct, seen.Load(), events)
 				}
