@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/shopspring/decimal"
 )
 
@@ -109,6 +110,16 @@ func (c Confirmed) MarshalJSON() ([]byte, error) {
 // a third of its CPU.
 func (c Confirmed) CanonicalJSON() ([]byte, error) {
 	at := c.occurredAt.UTC()
+	if y := at.Year(); y < 0 || y > 9999 {
+		// Outside RFC 3339's years idempotency.CanonicalJSON takes the
+		// time for a plain string and keeps it as written (review
+		// finding): its own round trip says what that is.
+		b, err := json.Marshal(c)
+		if err != nil {
+			return nil, err
+		}
+		return idempotency.CanonicalJSON(b)
+	}
 	at = at.Add(-time.Duration(at.Nanosecond() % 1000)) // MarshalJSON keeps microseconds
 	b := make([]byte, 0, 192)
 	b = append(b, `{"customer_id":`...)

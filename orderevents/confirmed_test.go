@@ -226,3 +226,24 @@ func TestConfirmedCanonicalFormIsTheOneDerivedFromItsJSON(t *testing.T) {
 		}
 	}
 }
+
+// Review finding: a time that decodes (RFC 3339 with an offset) but whose
+// UTC instant falls outside the years 0000-9999 was written in another form
+// than idempotency.CanonicalJSON keeps for it, and a claim stored by the
+// release before would not have matched.
+func TestTheCanonicalFormAtTheEdgesOfTheYearRange(t *testing.T) {
+	decoded := 0
+	for _, at := range []string{"9999-12-31T23:30:00.5-01:00", "0000-01-01T00:30:00+01:00"} {
+		payload := `{"event_id":"0190c1b2-3c4d-7e5f-8a6b-7c8d9e0f1a2b","event_type":"order.confirmed.v1","occurred_at":"` + at + `","order_id":42,"customer_id":7,"total_amount":"12.50"}`
+		ev, err := orderevents.DecodeConfirmed([]byte(payload))
+		if err != nil {
+			t.Logf("%s: does not decode (%v)", at, err)
+			continue
+		}
+		decoded++
+		t.Run(at, func(t *testing.T) { sameCanonicalForm(t, ev) })
+	}
+	if decoded == 0 {
+		t.Fatal("no edge time decoded: the test checks nothing")
+	}
+}

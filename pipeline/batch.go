@@ -155,10 +155,15 @@ func (b *batcher) take(msg *message.Message) bool {
 		b.announce(msg)
 		return false
 	}
-	if hook := b.p.cfg.Hooks.OnDelivered; hook != nil {
-		hook(delivery(b.topic, b.group, msg))
+	ctx, span, err := b.deliveredRecovered(msg)
+	if err != nil {
+		// A hook's bug, or the tracer's: the router's recoverer holds the
+		// message on the chain (review finding: on sarama's goroutine the
+		// panic ended the process, and again at every restart).
+		b.p.cfg.Logger.Error("a delivery hook or the tracer panicked; the message goes through the chain", "topic", b.topic, "consumer_group", b.group, "err", err)
+		b.announce(msg)
+		return false
 	}
-	ctx, span := b.p.startSpan(msg.Context(), b.topic, b.group, msg)
 	// One record of external effects for the whole delivery, as hold gives
 	// one: a batch that rolls back after an effect marks it, and the
 	// message's own run in the chain still sees the mark.
@@ -178,6 +183,24 @@ func (b *batcher) take(msg *message.Message) bool {
 	e.direct, e.span, e.verdict = true, span, nil
 	b.signal()
 	return true
+}
+
+// deliveredRecovered tells the hooks of msg's delivery and starts its span,
+// with a panic as an error.
+func (b *batcher) deliveredRecovered(msg *message.Message) (ctx context.Context, span trace.Span, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			if span != nil {
+				span.End()
+			}
+			ctx, span, err = nil, nil, fmt.Errorf("pipeline: %v", r)
+		}
+	}()
+	if hook := b.p.cfg.Hooks.OnDelivered; hook != nil {
+		hook(delivery(b.topic, b.group, msg))
+	}
+	ctx, span = b.p.startSpan(msg.Context(), b.topic, b.group, msg)
+	return ctx, span, nil
 }
 
 // decodeRecovered is decode, with a panic as an error: the message then goes
@@ -697,7 +720,11 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 				continue
 			}
 			// Everything else runs on its own through the chain, where
-			// awaitTurn keeps its partition's order.
+			// awaitTurn keeps its partition's order. It is its partition's
+			// first undecided message, which a later entry of the same
+			// partition in this batch must not take itself for (review
+			// finding).
+			first[e.queue] = true
 			if !runAlone {
 				e.verdict = results[i]
 			}

@@ -109,7 +109,9 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 		observe     bool
 		beforeClaim bool
 		teamsRouter bool // with router-level middleware of the team's
-	}{{"direct", false, false, false}, {"with Observe", true, false, false}, {"with BeforeClaim", false, true, false}, {"in the team router", false, false, true}} {
+		through     bool // router-level middleware by SetupRouter, and Batch.ThroughRouter
+	}{{"direct", false, false, false, false}, {"with Observe", true, false, false, false}, {"with BeforeClaim", false, true, false, false},
+		{"in the team router", false, false, true, false}, {"through the router", false, false, false, true}} {
 		t.Run(c.name, func(t *testing.T) {
 			e := newEnv(t, 3)
 			r := &recorder{group: uniqueGroup("direct")}
@@ -122,6 +124,7 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 			if c.beforeClaim {
 				g.Extra.BeforeClaim = []message.HandlerMiddleware{pass(&seen)}
 			}
+			g.Batch.ThroughRouter = c.through
 			var delivered, processed, untopical atomic.Int64
 			cfg := e.config(g)
 			cfg.Hooks = pipeline.Hooks{
@@ -134,6 +137,9 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 						untopical.Add(1)
 					}
 				},
+			}
+			if c.through {
+				cfg.SetupRouter = func(r *message.Router) error { r.AddMiddleware(pass(&seen)); return nil }
 			}
 			if c.teamsRouter {
 				router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
@@ -152,7 +158,7 @@ func TestABatchedGroupTakesTheDirectPathUnlessATeamsMiddlewareMustSeeEachMessage
 			testenv.Eventually(t, time.Minute, "every event processed", func() bool { return effects(t, e.Pool, r.group) == events })
 			o.check(t)
 			direct := pipeline.DecidedDirectly(p)
-			if c.observe || c.beforeClaim || c.teamsRouter {
+			if c.observe || c.beforeClaim || c.teamsRouter || c.through {
 				if direct != 0 || seen.Load() != events {
 					t.Fatalf("%d messages decided on the direct path, the team's middleware saw %d; want none, and all %d", direct, seen.Load(), events)
 				}
@@ -347,4 +353,34 @@ func TestARebalanceEndsABatchUnderWayOnTheDirectPath(t *testing.T) {
 		t.Fatalf("%d distinct events among the effects (%v); want 24, each once", distinct, err)
 	}
 	o.check(t)
+}
+
+// Review finding: on the direct path the delivery hook runs on sarama's
+// consumer goroutine, where a panic (a hook's bug) ended the process, and
+// again after every restart. Such a message now goes through the chain,
+// whose recoverer holds it: it comes again and is processed.
+func TestAPanickingDeliveryHookOnTheDirectPathHoldsTheMessage(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("hook-panic")}
+	cfg := e.config(pipeline.Group[confirmed]{Name: r.group, HandleBatch: r.HandleBatch, Batch: pipeline.Batch{Size: 50}})
+	var calls, panicked atomic.Int64
+	cfg.Hooks.OnDelivered = func(pipeline.Delivery) {
+		if calls.Add(1) == 1 {
+			panicked.Add(1)
+			panic("a metrics hook's bug (staged)")
+		}
+	}
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+	sequenced(t, e, 5, 1)
+	testenv.Eventually(t, 30*time.Second, "all 5 processed", func() bool { return effects(t, e.Pool, r.group) == 5 })
+	if panicked.Load() != 1 {
+		t.Fatalf("the hook panicked %d times; want the staged once", panicked.Load())
+	}
+	if d := pipeline.DecidedDirectly(p); d < 1 || d > 4 {
+		t.Fatalf("%d decided on the direct path; want the others than the one whose hook panicked", d)
+	}
 }

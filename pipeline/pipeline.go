@@ -98,7 +98,9 @@ type Config struct {
 	// SetupRouter, if set, is called once with the router the pipeline
 	// runs (its own, or Config.Router), before any handler is added: for a
 	// team's router-level plugins and decorators, such as Watermill's
-	// metrics. Default: none.
+	// metrics. A batched group's messages on the direct path do not pass
+	// through the router (see [Batch]; Batch.ThroughRouter keeps them
+	// there). Default: none.
 	SetupRouter func(*message.Router) error
 
 	// Security of every Kafka connection. Default: plaintext, no SASL.
@@ -638,7 +640,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		onSend = func(msg *message.Message) bool { batch.announce(msg); return false }
 		// The direct path (see Batch): nothing of the team's has to see
 		// each message on its way to the batch.
-		if p.ownRouter && len(g.extra.Observe) == 0 && len(g.extra.BeforeClaim) == 0 {
+		if p.ownRouter && !g.batch.ThroughRouter && len(g.extra.Observe) == 0 && len(g.extra.BeforeClaim) == 0 {
 			batch.decode = g.decode
 			onSend = batch.take
 		}

@@ -68,8 +68,8 @@ type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) err
 // on their way.
 //
 // A batched group's messages take the direct path unless the group has
-// Extra.Observe or Extra.BeforeClaim middleware or the pipeline runs in a
-// team's Config.Router: the subscriber hands each message, decoded,
+// Extra.Observe or Extra.BeforeClaim middleware, the pipeline runs in a
+// team's Config.Router, or ThroughRouter is set: the subscriber hands each message, decoded,
 // straight to the group commit, without a router goroutine and the chain
 // of stages every message passes otherwise, and the batch acknowledges it
 // once it committed. A message a batch cannot decide (the batch failed, a
@@ -79,7 +79,11 @@ type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) err
 // subscriber decorators (Watermill's router metrics that SetupRouter adds)
 // see only those; [Hooks] see every message. A group with Observe or
 // BeforeClaim, which must see each message, keeps the chain for all of its
-// messages; InTx runs once per batch on either path.
+// messages; InTx runs once per batch on either path. On the direct path the
+// decoder and Hooks.OnDelivered run on the partition's Kafka consumer
+// goroutine: they must be quick and must not block (a call that waits on
+// the network holds the partition, and a rebalance waits for it); a panic
+// in either sends the message through the chain, whose recoverer holds it.
 type Batch struct {
 	// Size is the most events in one transaction. Default: 100.
 	Size int
@@ -98,6 +102,11 @@ type Batch struct {
 	// Concurrency is how many batches may run at once, each on a
 	// connection of its own; they never share a partition. Default: 2.
 	Concurrency int
+	// ThroughRouter keeps every message on the router's path and its
+	// chain, for router-level middleware added with Config.SetupRouter
+	// that must see each message (the direct path skips the router).
+	// Slower: a goroutine and the chain per message. Default: false.
+	ThroughRouter bool
 }
 
 func (b *Batch) setDefaults() {
