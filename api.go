@@ -18,9 +18,13 @@ type (
 	// own event id, a UUIDv7 from the payload (R-KFK-IDEM-1).
 	Event = pipeline.Event
 	// Topic binds a Kafka topic and its event type to the groups that read
-	// it.
+	// it. Its fields (Name, DLQ, Decode, Groups, Extra) are documented at
+	// [pipeline.Topic].
 	Topic[E Event] = pipeline.Topic[E]
-	// Group is one consumer group on a topic.
+	// Group is one consumer group on a topic. Its fields (Name, Handle,
+	// HandleBatch, Batch, DB, TooOld, Extra) are documented at
+	// [pipeline.Group]. A new group starts at the topic's oldest retained
+	// message.
 	Group[E Event] = pipeline.Group[E]
 	// Decoder validates a payload into an event; its error dead-letters the
 	// message.
@@ -31,13 +35,15 @@ type (
 	// BatchHandlerFunc is a group's business logic for a batch of events
 	// (the group commit).
 	BatchHandlerFunc[E Event] = pipeline.BatchHandlerFunc[E]
-	// Batch sizes a group's group commit.
+	// Batch sizes a group's group commit (Size, MaxWait, WaitToFill, Window,
+	// Concurrency, ThroughRouter; see [pipeline.Batch]).
 	Batch = pipeline.Batch
 	// Extra holds a team's Watermill middleware in fixed slots.
 	Extra = pipeline.Extra
 	// Binding is a Topic of any event type.
 	Binding = pipeline.Binding
-	// Outgoing is a topic the handlers publish events to with [Publish].
+	// Outgoing is a topic the handlers publish events to with [Publish]
+	// (Name, Key, Encode; see [pipeline.Outgoing]).
 	Outgoing[E Event] = pipeline.Outgoing[E]
 	// OutgoingBinding is an Outgoing of any event type.
 	OutgoingBinding = pipeline.OutgoingBinding
@@ -76,7 +82,9 @@ func PublishTo[E Event](ctx context.Context, tx pgx.Tx, topic string, ev E) erro
 func EventTime(ev Event) time.Time { return pipeline.EventTime(ev) }
 
 // DerivedID is the id of an event a handler publishes because of the one it
-// handles: the same in every attempt and replay (see pipeline.DerivedID).
+// handles: the same in every attempt and replay (see [pipeline.DerivedID]).
+// A batched handler has many events, so DerivedID refuses there; it derives
+// each follow-up's id with outbox.EventID(ev.EventID(), eventType, at).
 func DerivedID(ctx context.Context, eventType string, at time.Time) (uuid.UUID, error) {
 	return pipeline.DerivedID(ctx, eventType, at)
 }

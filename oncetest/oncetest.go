@@ -127,6 +127,9 @@ type Config struct {
 	// Logger gets the pipeline's log lines (dead letters, holds, batches
 	// run on their own). Default: warnings and errors to slog.Default().
 	Logger *slog.Logger
+	// Hooks are the pipeline's callbacks, as in once.Config: OnBatch, for
+	// one, shows how a batched group's messages were batched.
+	Hooks pipeline.Hooks
 }
 
 // Harness sends messages to the topics of a [Config]; see [New].
@@ -155,7 +158,7 @@ func New(t TB, cfg Config) *Harness {
 		t.Fatalf("oncetest: record the claims' retention: %v", err)
 	}
 	local, err := pipeline.NewLocal(pipeline.Config{DB: cfg.DB, Tables: cfg.Tables, Topics: cfg.Topics, Outgoing: cfg.Outgoing, Logger: cfg.Logger,
-		MaxEventAge: cfg.MaxEventAge, MaxClockSkew: cfg.MaxClockSkew, HoldBackoff: time.Millisecond, HoldMaxBackoff: time.Millisecond})
+		MaxEventAge: cfg.MaxEventAge, MaxClockSkew: cfg.MaxClockSkew, HoldBackoff: time.Millisecond, HoldMaxBackoff: time.Millisecond, Hooks: cfg.Hooks})
 	if err != nil {
 		t.Fatalf("oncetest: %v", err)
 	}

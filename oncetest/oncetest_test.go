@@ -65,6 +65,7 @@ type service struct {
 	observed, inTx    atomic.Int64
 	mu                sync.Mutex
 	largestBatch      int
+	batches           []pipeline.BatchDone // the pipeline's OnBatch, as a team's test sees them
 	failNext          atomic.Bool
 	writesOutsideTxOf func(context.Context, issued) error
 }
@@ -122,7 +123,8 @@ func newServiceBatching(t *testing.T, batch pipeline.Batch) (*service, *oncetest
 		}
 		return nil
 	}
-	h := oncetest.New(t, oncetest.Config{DB: s.db.Pool, Tables: s.db.Tables,
+	onBatch := func(b pipeline.BatchDone) { s.mu.Lock(); s.batches = append(s.batches, b); s.mu.Unlock() }
+	h := oncetest.New(t, oncetest.Config{DB: s.db.Pool, Tables: s.db.Tables, Hooks: pipeline.Hooks{OnBatch: onBatch},
 		Outgoing: []pipeline.OutgoingBinding{pipeline.Outgoing[billed]{Name: "customer.billed.v1", Key: func(b billed) string { return b.Issued.String() }}},
 		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{
 			{Name: "invoices", Handle: record, Extra: pipeline.Extra{Observe: []message.HandlerMiddleware{observe}}},
@@ -226,6 +228,18 @@ func TestABatchedGroupGetsItsBatch(t *testing.T) {
 		evs = append(evs, newIssued(10, 1))
 	}
 	h.SendJSON(topic, evs...).Require(t, oncetest.Processed)
+	// What a team's test sees through Config.Hooks: the batches, all of
+	// them the totals group's, 20 messages between them, none run alone.
+	var batched int
+	for _, b := range s.batches {
+		if b.Group != "totals" || b.RunAlone != 0 {
+			t.Fatalf("OnBatch saw %+v; want the totals group's batches, none run alone", b)
+		}
+		batched += b.Size
+	}
+	if batched != 20 || len(s.batches) >= 20 {
+		t.Fatalf("OnBatch saw %d batches of %d messages; want 20 messages in fewer batches", len(s.batches), batched)
+	}
 	if s.largestBatch < 2 || s.count(t, `SELECT cents FROM totals WHERE customer_id = 10`) != 20 {
 		t.Fatalf("largest batch %d, total %d; want batches of more than one, and 20", s.largestBatch, s.count(t, `SELECT cents FROM totals WHERE customer_id = 10`))
 	}
