@@ -24,7 +24,8 @@ type (
 	// Group is one consumer group on a topic. Its fields (Name, Handle,
 	// HandleBatch, Batch, DB, TooOld, Extra) are documented at
 	// [pipeline.Group]. A new group starts at the topic's oldest retained
-	// message.
+	// message; what is older than the dedup horizon follows its TooOld
+	// policy (dead-lettered by default).
 	Group[E Event] = pipeline.Group[E]
 	// Decoder validates a payload into an event; its error dead-letters the
 	// message.

@@ -128,7 +128,9 @@ type Config struct {
 	// run on their own). Default: warnings and errors to slog.Default().
 	Logger *slog.Logger
 	// Hooks are the pipeline's callbacks, as in once.Config: OnBatch, for
-	// one, shows how a batched group's messages were batched.
+	// one, shows how a batched group's messages were batched. They run on
+	// the pipeline's goroutines: record there and assert after Send (t.Fatal
+	// in a hook ends a goroutine that is not the test's).
 	Hooks pipeline.Hooks
 }
 

@@ -386,3 +386,55 @@ func TestNewDBBehindAPoolerSaysWhy(t *testing.T) {
 		t.Fatalf("NewDB behind PgBouncer: %q; want it refused, naming the pooler", f.msg)
 	}
 }
+
+// A team's hook that panics (a metrics bug) is logged; what it reports
+// stands: the batch's events are processed, the poison dead-lettered, and
+// the harness's own results are whole.
+func TestAPanickingHookStopsNothing(t *testing.T) {
+	testenv.Postgres(t)
+	db := oncetest.NewDB(t)
+	ctx := context.Background()
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE totals (customer_id bigint PRIMARY KEY, cents bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	sum := func(ctx context.Context, tx pgx.Tx, evs []issued) error {
+		for _, ev := range evs {
+			if _, err := tx.Exec(ctx, `INSERT INTO totals VALUES ($1, $2)
+				ON CONFLICT (customer_id) DO UPDATE SET cents = totals.cents + excluded.cents`, ev.Customer, ev.Cents); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var panics sync.Map // hook name → count of staged panics
+	staged := func(name string) {
+		n, _ := panics.LoadOrStore(name, new(atomic.Int64))
+		n.(*atomic.Int64).Add(1)
+		panic("a metrics hook's bug (staged): " + name)
+	}
+	h := oncetest.New(t, oncetest.Config{DB: db.Pool, Tables: db.Tables,
+		Hooks: pipeline.Hooks{
+			OnBatch:      func(pipeline.BatchDone) { staged("OnBatch") },
+			OnResult:     func(idempotency.Result) { staged("OnResult") },
+			OnDeadLetter: func(pipeline.DeadLetter) { staged("OnDeadLetter") },
+		},
+		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{
+			{Name: "totals", HandleBatch: sum, Batch: pipeline.Batch{Size: 50, MaxWait: 20 * time.Millisecond}},
+		}}}})
+	var evs []oncetest.Message
+	for range 5 {
+		evs = append(evs, oncetest.JSON("k", newIssued(3, 2)))
+	}
+	h.Send(topic, evs...).Require(t, oncetest.Processed)
+	h.Send(topic, oncetest.Message{Key: "k", Payload: []byte(`{"event_id":"not a uuid"}`)}).Require(t, oncetest.DeadLettered)
+	for _, name := range []string{"OnBatch", "OnResult", "OnDeadLetter"} {
+		if n, ok := panics.Load(name); !ok || n.(*atomic.Int64).Load() == 0 {
+			t.Fatalf("the staged panic in %s never happened", name)
+		}
+	}
+	var cents int64
+	if err := db.Pool.QueryRow(ctx, `SELECT cents FROM totals WHERE customer_id = 3`).Scan(&cents); err != nil || cents != 10 {
+		t.Fatalf("total %d (%v); want 10, every event once", cents, err)
+	}
+	h.Send(topic, evs...).Require(t, oncetest.Duplicate)
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -110,10 +111,16 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// Hooks are callbacks on what happens to messages, each called on the
-// goroutine that handles the message: keep them short. Every field may be
-// nil. Several are combined with [ComposeHooks], as net/http/httptrace's
-// ClientTrace or pgx's tracers are.
+// Hooks are callbacks on what happens to messages, called on the pipeline's
+// own goroutines (a message's, a batch's, the forwarder's): keep them short,
+// and never block. Every field may be nil. Several are combined with
+// [ComposeHooks], as net/http/httptrace's ClientTrace or pgx's tracers are.
+//
+// A hook reports what already happened (a commit, a parked dead letter, a
+// batch), so a panic in one is logged with its stack and the pipeline goes
+// on: it would otherwise end the process after that fact, and again at every
+// restart. OnDelivered's panic is the exception: it comes before anything
+// happened, and holds its message as a handler's panic does.
 type Hooks struct {
 	// OnResult receives the idempotency outcome of every claim attempt of
 	// every group.
@@ -144,6 +151,31 @@ func ComposeHooks(hooks ...Hooks) Hooks {
 		OnDeadLetter: compose(hooks, func(h Hooks) func(DeadLetter) { return h.OnDeadLetter }),
 		OnForwarded:  compose(hooks, func(h Hooks) func(Forwarded) { return h.OnForwarded }),
 		OnBatch:      compose(hooks, func(h Hooks) func(BatchDone) { return h.OnBatch }),
+	}
+}
+
+// recovering is h with every callback but OnDelivered logging its panic
+// instead of passing it on (see [Hooks]).
+func (h Hooks) recovering(log *slog.Logger) Hooks {
+	h.OnResult = recovering(log, "OnResult", h.OnResult)
+	h.OnHeld = recovering(log, "OnHeld", h.OnHeld)
+	h.OnDeadLetter = recovering(log, "OnDeadLetter", h.OnDeadLetter)
+	h.OnForwarded = recovering(log, "OnForwarded", h.OnForwarded)
+	h.OnBatch = recovering(log, "OnBatch", h.OnBatch)
+	return h
+}
+
+func recovering[T any](log *slog.Logger, name string, hook func(T)) func(T) {
+	if hook == nil {
+		return nil
+	}
+	return func(v T) {
+		defer func() {
+			if r := recover(); r != nil {
+				log.Error("pipeline: a hook panicked; what it reports stands and the pipeline goes on", "hook", name, "panic", r, "stack", string(debug.Stack()))
+			}
+		}()
+		hook(v)
 	}
 }
 
@@ -432,6 +464,9 @@ func New(cfg Config) (*Pipeline, error) {
 // the dead-letter store, the outbox and the publisher.
 func newPipeline(cfg Config, local bool) (*Pipeline, []topicBinding, error) {
 	cfg.setDefaults()
+	if !local { // NewLocal guarded the team's hooks before adding its own
+		cfg.Hooks = cfg.Hooks.recovering(cfg.Logger)
+	}
 	version, topics, err := cfg.resolve()
 	if err != nil {
 		return nil, nil, err
