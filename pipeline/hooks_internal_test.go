@@ -3,6 +3,7 @@ package pipeline
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
@@ -51,4 +52,33 @@ func TestThePipelinesHooksLogAPanicAndGoOn(t *testing.T) {
 		}
 	}()
 	h.OnDelivered(Delivery{})
+}
+
+// Composed hooks all run when one panics (a team's bug beside the metrics,
+// as metrics.Attach composes them), and the panic is passed on after them.
+func TestAComposedHookThatPanicsLeavesTheOthersRunning(t *testing.T) {
+	var teams, metrics int
+	team := Hooks{OnBatch: func(BatchDone) { teams++; panic("a team's bug (staged)") },
+		OnDelivered: func(Delivery) { teams++; panic("a team's bug (staged)") }}
+	counting := Hooks{OnBatch: func(BatchDone) { metrics++ }, OnDelivered: func(Delivery) { metrics++ }}
+	h := ComposeHooks(team, counting)
+	passedOn := func(call func()) (r any) {
+		defer func() { r = recover() }()
+		call()
+		return nil
+	}
+	if r := passedOn(func() { h.OnDelivered(Delivery{}) }); r == nil || !strings.Contains(fmt.Sprint(r), "a team's bug") {
+		t.Fatalf("OnDelivered passed on %v; want the team's panic", r)
+	}
+	var logged bytes.Buffer
+	guarded := h.recovering(slog.New(slog.NewTextHandler(&logged, nil)))
+	if r := passedOn(func() { guarded.OnBatch(BatchDone{}) }); r != nil {
+		t.Fatalf("the pipeline's OnBatch passed on %v; want it logged", r)
+	}
+	if teams != 2 || metrics != 2 {
+		t.Fatalf("the team's hooks ran %d times, the metrics' %d; want 2 and 2", teams, metrics)
+	}
+	if !strings.Contains(logged.String(), "a team's bug") {
+		t.Fatalf("the panic was not logged: %s", logged.String())
+	}
 }

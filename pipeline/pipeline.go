@@ -142,7 +142,9 @@ type Hooks struct {
 }
 
 // ComposeHooks returns hooks that call each of hooks' callbacks in turn, in
-// the order given.
+// the order given. One that panics does not keep the others from running
+// (a team's bug must not silence the metrics beside it); the first panic is
+// passed on after them all.
 func ComposeHooks(hooks ...Hooks) Hooks {
 	return Hooks{
 		OnResult:     compose(hooks, func(h Hooks) func(idempotency.Result) { return h.OnResult }),
@@ -194,11 +196,31 @@ func compose[T any](hooks []Hooks, field func(Hooks) func(T)) func(T) {
 		return fs[0]
 	}
 	return func(v T) {
+		var first *hookPanic
 		for _, f := range fs {
-			f(v)
+			func() {
+				defer func() {
+					if r := recover(); r != nil && first == nil {
+						first = &hookPanic{value: r, stack: debug.Stack()}
+					}
+				}()
+				f(v)
+			}()
+		}
+		if first != nil {
+			panic(first)
 		}
 	}
 }
+
+// hookPanic is a composed hook's panic, passed on with the stack it was
+// raised on.
+type hookPanic struct {
+	value any
+	stack []byte
+}
+
+func (p *hookPanic) String() string { return fmt.Sprintf("%v\n%s", p.value, p.stack) }
 
 // DefaultMaxClockSkew is how far ahead of the database's clock an event's id
 // may lie before the event is refused as from the future.

@@ -117,6 +117,21 @@ func Topic(t testing.TB, brokers []string, partitions int32) string {
 	if err := admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
 		t.Fatalf("create topic %s: %v", name, err)
 	}
+	// CreateTopic returns before every partition has a leader: a broker just
+	// started answered a first publish "topic does not exist" past the
+	// producer's retries.
+	Eventually(t, 30*time.Second, "topic "+name+" has a leader for each partition", func() bool {
+		md, err := admin.DescribeTopics([]string{name})
+		if err != nil || len(md) != 1 || md[0].Err != sarama.ErrNoError || len(md[0].Partitions) != int(partitions) {
+			return false
+		}
+		for _, p := range md[0].Partitions {
+			if p.Err != sarama.ErrNoError || p.Leader < 0 {
+				return false
+			}
+		}
+		return true
+	})
 	return name
 }
 
