@@ -131,7 +131,8 @@ type Config struct {
 	// one, shows how a batched group's messages were batched. They run on
 	// the pipeline's goroutines: record there and assert after Send (t.Fatal
 	// in a hook ends a goroutine that is not the test's). A panic in one is
-	// logged as in production, but for OnDelivered's, which ends the test.
+	// logged as in production, but for OnDelivered's, which crashes the
+	// test binary.
 	Hooks pipeline.Hooks
 }
 

@@ -71,14 +71,16 @@ func TestAComposedHookThatPanicsLeavesTheOthersRunning(t *testing.T) {
 		t.Fatalf("OnDelivered passed on %v; want the team's panic", r)
 	}
 	var logged bytes.Buffer
-	guarded := h.recovering(slog.New(slog.NewTextHandler(&logged, nil)))
+	guarded := h.recovering(slog.New(slog.NewJSONHandler(&logged, nil)))
 	if r := passedOn(func() { guarded.OnBatch(BatchDone{}) }); r != nil {
 		t.Fatalf("the pipeline's OnBatch passed on %v; want it logged", r)
 	}
 	if teams != 2 || metrics != 2 {
 		t.Fatalf("the team's hooks ran %d times, the metrics' %d; want 2 and 2", teams, metrics)
 	}
-	if !strings.Contains(logged.String(), "a team's bug") {
-		t.Fatalf("the panic was not logged: %s", logged.String())
+	// The log has the team's panic and the team's hook in its stack, not the
+	// composer's re-panic alone.
+	if !strings.Contains(logged.String(), `"panic":"a team's bug (staged)"`) || !strings.Contains(logged.String(), "TestAComposedHookThatPanicsLeavesTheOthersRunning.func1") {
+		t.Fatalf("the panic's value or the hook's stack is not in the log: %s", logged.String())
 	}
 }

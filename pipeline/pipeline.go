@@ -174,7 +174,11 @@ func recovering[T any](log *slog.Logger, name string, hook func(T)) func(T) {
 	return func(v T) {
 		defer func() {
 			if r := recover(); r != nil {
-				log.Error("pipeline: a hook panicked; what it reports stands and the pipeline goes on", "hook", name, "panic", r, "stack", string(debug.Stack()))
+				stack := debug.Stack()
+				if p, ok := r.(*hookPanic); ok { // composed: the hook's own value and stack
+					r, stack = p.value, p.stack
+				}
+				log.Error("pipeline: a hook panicked; what it reports stands and the pipeline goes on", "hook", name, "panic", fmt.Sprint(r), "stack", string(stack))
 			}
 		}()
 		hook(v)
@@ -214,13 +218,17 @@ func compose[T any](hooks []Hooks, field func(Hooks) func(T)) func(T) {
 }
 
 // hookPanic is a composed hook's panic, passed on with the stack it was
-// raised on.
+// raised on. It is an error so that every recoverer and log handler prints
+// it (a JSON log wrote a plain struct as {}).
 type hookPanic struct {
 	value any
 	stack []byte
 }
 
-func (p *hookPanic) String() string { return fmt.Sprintf("%v\n%s", p.value, p.stack) }
+func (p *hookPanic) Error() string { return fmt.Sprintf("%v\n%s", p.value, p.stack) }
+
+// Unwrap is the panic's own error, if it was one.
+func (p *hookPanic) Unwrap() error { err, _ := p.value.(error); return err }
 
 // DefaultMaxClockSkew is how far ahead of the database's clock an event's id
 // may lie before the event is refused as from the future.
