@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -112,13 +111,8 @@ func NewLocal(cfg Config) (*Local, error) {
 	}
 	l := &Local{offsets: map[string]int64{}, held: map[localKey]Held{}, dead: map[localKey]DeadLetter{}, claims: map[localKey]idempotency.Result{},
 		owners: map[localKey]context.CancelFunc{}, groups: map[string][]builtGroup{}, rollBack: map[string]bool{}}
-	log := cfg.Logger
-	if log == nil {
-		log = slog.Default()
-	}
-	// The team's hooks are guarded on their own: one that panics must not
-	// keep the Local's own from recording the message's result.
-	cfg.Hooks = ComposeHooks(cfg.Hooks.recovering(log), Hooks{OnHeld: l.onHeld, OnDeadLetter: l.onDeadLetter, OnResult: l.onResult})
+	// ComposeHooks runs the Local's own even when a team's hook panics.
+	cfg.Hooks = ComposeHooks(cfg.Hooks, Hooks{OnHeld: l.onHeld, OnDeadLetter: l.onDeadLetter, OnResult: l.onResult})
 	p, topics, err := newPipeline(cfg, true)
 	if err != nil {
 		return nil, err

@@ -494,9 +494,7 @@ func New(cfg Config) (*Pipeline, error) {
 // the dead-letter store, the outbox and the publisher.
 func newPipeline(cfg Config, local bool) (*Pipeline, []topicBinding, error) {
 	cfg.setDefaults()
-	if !local { // NewLocal guarded the team's hooks before adding its own
-		cfg.Hooks = cfg.Hooks.recovering(cfg.Logger)
-	}
+	cfg.Hooks = cfg.Hooks.recovering(cfg.Logger)
 	version, topics, err := cfg.resolve()
 	if err != nil {
 		return nil, nil, err
