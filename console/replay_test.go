@@ -16,17 +16,9 @@ import (
 
 	"github.com/once-dev/once/console"
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/pipeline"
 )
-
-func saramaConfig(t *testing.T) *sarama.Config {
-	v, err := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pipeline.PublisherSaramaConfig(v)
-}
 
 // letterTo puts a letter of from's on dlqTopic, as the pipeline does.
 func letterTo(t *testing.T, prod sarama.SyncProducer, dlqTopic, from, reason string) {
@@ -43,7 +35,7 @@ func letterTo(t *testing.T, prod sarama.SyncProducer, dlqTopic, from, reason str
 // server's URL and a client that does not follow redirects.
 func signedInConsole(t *testing.T, routes []dlq.Route, now func() time.Time) (string, *http.Client) {
 	t.Helper()
-	con, err := console.New(console.Config{Brokers: testenv.Brokers(t), Sarama: saramaConfig(t), Routes: routes,
+	con, err := console.New(console.Config{Brokers: testenv.Brokers(t), Sarama: pipelinetest.SaramaConfig(t), Routes: routes,
 		Databases: []console.Database{{Name: "default", DB: testenv.Postgres(t)}}, Token: token, Now: now,
 		ReplayGroup: "replay-" + uuid.NewString()[:8]})
 	if err != nil {

@@ -14,17 +14,9 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
-	"github.com/once-dev/once/pipeline"
 )
-
-func saramaConfig(t *testing.T) *sarama.Config {
-	v, err := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pipeline.PublisherSaramaConfig(v)
-}
 
 // Dead letters go back to the topic they came from, with their key, without
 // the headers that described the failure; each once, however often replay runs.
@@ -45,7 +37,7 @@ func TestReplayRepublishesEachDeadLetterOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: "unused", Group: "replay-" + uuid.NewString()[:8]}
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: "unused", Group: "replay-" + uuid.NewString()[:8]}
 	start := time.Now()
 	rep, err := dlq.Replay(context.Background(), cfg)
 	if err != nil {
@@ -92,7 +84,7 @@ func TestReplayJudgesAgeByTheEventsOwnTime(t *testing.T) {
 	fresh := uuid.Must(uuid.NewV7())
 	testenv.Publish(t, prod, dlqTopic, "", []byte(fmt.Sprintf(`{"event_id":%q}`, old))) // recorded now, happened 3h ago
 	testenv.Publish(t, prod, dlqTopic, "", []byte(fmt.Sprintf(`{"event_id":%q}`, fresh)))
-	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target,
 		Group: "replay-" + uuid.NewString()[:8], MaxAge: time.Hour})
 	if err != nil || rep.Replayed != 1 || rep.SkippedStale != 1 {
 		t.Fatalf("report %+v, %v; want the event from 3h ago skipped and the fresh one replayed", rep, err)
@@ -114,7 +106,7 @@ func TestReplaySkipsDeadLettersOlderThanMaxAge(t *testing.T) {
 	dlqTopic := testenv.Topic(t, brokers, 1)
 	target := testenv.Topic(t, brokers, 1)
 	testenv.Publish(t, testenv.Producer(t, brokers), dlqTopic, "", []byte("old"))
-	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target,
 		Group: "replay-" + uuid.NewString()[:8], MaxAge: time.Hour, Now: func() time.Time { return time.Now().Add(2 * time.Hour) }})
 	if err != nil || rep.Replayed != 0 || rep.SkippedStale != 1 {
 		t.Fatalf("report %+v, %v; want the stale dead letter skipped", rep, err)
@@ -133,7 +125,7 @@ func TestAnAgeFilterLeavesAYoungLetterForLater(t *testing.T) {
 	prod := testenv.Producer(t, brokers)
 	id := uuid.Must(uuid.NewV7())
 	testenv.Publish(t, prod, dlqTopic, "k", []byte(`{"event_id":"`+id.String()+`"}`))
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target,
 		Group: "age-" + uuid.NewString()[:8], Filter: dlq.Filter{MinAge: time.Hour}}
 	now := time.Now()
 	cfg.Now = func() time.Time { return now }
@@ -163,7 +155,7 @@ func TestReadingALetterPastTheEndFailsAtOnce(t *testing.T) {
 		Headers: []sarama.RecordHeader{{Key: []byte(middleware.ReasonForPoisonedKey), Value: []byte("bad")}}}); err != nil {
 		t.Fatal(err)
 	}
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic}
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if e, err := dlq.ReadLetter(ctx, cfg, 0, 0); err != nil || e.Reason != "bad" {
@@ -188,7 +180,7 @@ func TestADryRunSaysWhatTheReplayWillDo(t *testing.T) {
 		testenv.Publish(t, prod, dlqTopic, "k", []byte(fmt.Sprintf(`{"event_id":%q}`, id)))
 	}
 	publish(uuid.Must(uuid.NewV7()))
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target,
 		Group: "dry-" + uuid.NewString()[:8], MaxAge: time.Hour}
 	if rep, err := dlq.Replay(context.Background(), cfg); err != nil || rep.Replayed != 1 {
 		t.Fatalf("the first replay: %+v, %v", rep, err)
@@ -224,7 +216,7 @@ func TestAReplayOfEveryRouteSkipsADeadLetterTopicNeverMade(t *testing.T) {
 	target := testenv.Topic(t, brokers, 1)
 	testenv.Publish(t, testenv.Producer(t, brokers), dlqTopic, "k", []byte(`{}`))
 	never := "never-made-" + uuid.NewString()[:8]
-	rep, err := dlq.ReplayRoutes(context.Background(), dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), Group: "routes-" + uuid.NewString()[:8]},
+	rep, err := dlq.ReplayRoutes(context.Background(), dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), Group: "routes-" + uuid.NewString()[:8]},
 		[]dlq.Route{{Topic: target, DLQTopic: never}, {Topic: target, DLQTopic: dlqTopic}})
 	if err != nil || rep.Replayed != 1 {
 		t.Fatalf("a replay of a route without a dead-letter topic and one with a letter: %+v, %v; want the letter replayed", rep, err)
@@ -248,7 +240,7 @@ func TestAReplayOutrunByRetentionFailsWithoutPanicking(t *testing.T) {
 	}
 	admin := testenv.Admin(t, brokers)
 	deleted := 0
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target,
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target,
 		Group: "retention-" + uuid.NewString()[:8], DryRun: true,
 		Each: func(dlq.Entry, dlq.Outcome) {
 			if deleted == 0 {
@@ -284,7 +276,7 @@ func TestTwoReplaysAtOnceSendEachLetterOnce(t *testing.T) {
 	if err := testenv.Producer(t, brokers).SendMessages(msgs); err != nil {
 		t.Fatal(err)
 	}
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "twice-" + uuid.NewString()[:8]}
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "twice-" + uuid.NewString()[:8]}
 	var wg sync.WaitGroup
 	var sent atomic.Int64
 	for range 2 {
@@ -311,7 +303,7 @@ func TestALetterThatCannotBeSentHoldsItsPartitionOnly(t *testing.T) {
 	dlqTopic := testenv.Topic(t, brokers, 2)
 	otherDLQ := testenv.Topic(t, brokers, 1)
 	target := testenv.Topic(t, brokers, 1)
-	pc := saramaConfig(t)
+	pc := pipelinetest.SaramaConfig(t)
 	pc.Producer.Partitioner = sarama.NewManualPartitioner
 	prod, err := sarama.NewSyncProducer(brokers, pc)
 	if err != nil {
@@ -329,7 +321,7 @@ func TestALetterThatCannotBeSentHoldsItsPartitionOnly(t *testing.T) {
 	send(dlqTopic, 0, target)  // behind it: waits
 	send(dlqTopic, 1, target)  // another partition
 	send(otherDLQ, 0, target)  // another route
-	sc := saramaConfig(t)
+	sc := pipelinetest.SaramaConfig(t)
 	sc.Producer.Retry.Max = 1
 	sc.Metadata.AllowAutoTopicCreation = false
 	cfg := dlq.Config{Brokers: brokers, Sarama: sc, Group: "held-" + uuid.NewString()[:8]}
@@ -357,7 +349,7 @@ func TestAReplayUntilADryRunsEndsSendsWhatItRead(t *testing.T) {
 	for i := range 4 {
 		testenv.Publish(t, prod, dlqTopic, fmt.Sprint("k", i), []byte(`{}`))
 	}
-	cfg := dlq.Config{Brokers: brokers, Sarama: saramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "until-" + uuid.NewString()[:8], DryRun: true}
+	cfg := dlq.Config{Brokers: brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopic: dlqTopic, Topic: target, Group: "until-" + uuid.NewString()[:8], DryRun: true}
 	dry, err := dlq.Replay(context.Background(), cfg)
 	if err != nil || dry.Replayed != 4 {
 		t.Fatalf("the dry run: %+v, %v", dry, err)

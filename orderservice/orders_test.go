@@ -15,12 +15,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/orderservice"
 	"github.com/once-dev/once/outbox"
-	"github.com/once-dev/once/pipeline"
 )
 
 type fixture struct {
@@ -47,8 +47,7 @@ func setup(t *testing.T) *fixture {
 
 func (f *fixture) kafkaPublisher(t *testing.T) message.Publisher {
 	t.Helper()
-	version, _ := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
-	producer, err := sarama.NewSyncProducer(f.brokers, pipeline.PublisherSaramaConfig(version))
+	producer, err := sarama.NewSyncProducer(f.brokers, pipelinetest.SaramaConfig(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,17 @@ import (
 	"github.com/once-dev/once/pipeline"
 )
 
+// SaramaConfig is the pipeline's own producer configuration at its default
+// Kafka version: what the library's dead letters and outbox are sent with.
+func SaramaConfig(t testing.TB) *sarama.Config {
+	t.Helper()
+	v, err := pipeline.ParseKafkaVersion(pipeline.DefaultKafkaVersion)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pipeline.PublisherSaramaConfig(v)
+}
+
 // Run starts a pipeline of cfg and returns a function that stops it and
 // waits (the test's end stops it too); Run's error fails the test. A
 // pipeline that does not start within 30s fails the test.
