@@ -112,7 +112,7 @@ func testKillNine(t *testing.T, name string, batched bool) {
 	// consumer carries the hook until it has fired somewhere, not just one.
 	hooked := map[*proc]bool{}
 	start := func(name string, env ...string) *proc {
-		armed := !s.logsContain(forwardKill)
+		armed := len(s.logLines(forwardKill)) == 0
 		if armed {
 			env = append(env, "ONCE_E2E_KILL_AFTER_FORWARD=10")
 		}
@@ -166,7 +166,7 @@ func testKillNine(t *testing.T, name string, batched bool) {
 	<-cancelling
 	// The outbox may still be forwarding the stream's tail: the forward kill
 	// can come that late.
-	for deadline := time.Now().Add(60 * time.Second); !s.logsContain(forwardKill); {
+	for deadline := time.Now().Add(60 * time.Second); len(s.logLines(forwardKill)) == 0; {
 		if time.Now().After(deadline) {
 			t.Fatalf("the kill between the outbox publish and its acknowledgement did not happen within 60 s of the stream's end")
 		}
@@ -216,38 +216,11 @@ type hookLine struct{ eventID, group string }
 
 // hookLines returns every kill hook's line with text, over every process's log.
 func (s *scenario) hookLines(text string) []hookLine {
-	s.t.Helper()
 	var found []hookLine
-	for _, p := range s.procLogs() {
-		out, _ := exec.Command("grep", "-h", text, p).Output()
-		for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-			if line != "" {
-				found = append(found, hookLine{eventID: field(line, "event_id"), group: field(line, "consumer_group")})
-			}
-		}
+	for _, line := range s.logLines(text) {
+		found = append(found, hookLine{eventID: field(line, "event_id"), group: field(line, "consumer_group")})
 	}
 	return found
-}
-
-// logsContain reports whether any process's log has a line with text.
-func (s *scenario) logsContain(text string) bool {
-	for _, p := range s.procLogs() {
-		if exec.Command("grep", "-q", text, p).Run() == nil {
-			return true
-		}
-	}
-	return false
-}
-
-// procLogs returns the log paths of every process the scenario started.
-func (s *scenario) procLogs() []string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	logs := make([]string, 0, len(s.procs))
-	for _, p := range s.procs {
-		logs = append(logs, p.log)
-	}
-	return logs
 }
 
 func field(jsonLine, name string) string {
