@@ -115,13 +115,7 @@ func newServiceBatching(t *testing.T, batch pipeline.Batch) (*service, *oncetest
 		s.mu.Lock()
 		s.largestBatch = max(s.largestBatch, len(evs))
 		s.mu.Unlock()
-		for _, ev := range evs {
-			if _, err := tx.Exec(ctx, `INSERT INTO totals VALUES ($1, $2)
-				ON CONFLICT (customer_id) DO UPDATE SET cents = totals.cents + excluded.cents`, ev.Customer, ev.Cents); err != nil {
-				return err
-			}
-		}
-		return nil
+		return addTotals(ctx, tx, evs)
 	}
 	onBatch := func(b pipeline.BatchDone) { s.mu.Lock(); s.batches = append(s.batches, b); s.mu.Unlock() }
 	h := oncetest.New(t, oncetest.Config{DB: s.db.Pool, Tables: s.db.Tables, Hooks: pipeline.Hooks{OnBatch: onBatch},
@@ -132,6 +126,17 @@ func newServiceBatching(t *testing.T, batch pipeline.Batch) (*service, *oncetest
 				Extra: pipeline.Extra{InTx: []message.HandlerMiddleware{countInTx}}},
 		}}}})
 	return s, h
+}
+
+// addTotals is the totals group's batch: each customer's cents, added up.
+func addTotals(ctx context.Context, tx pgx.Tx, evs []issued) error {
+	for _, ev := range evs {
+		if _, err := tx.Exec(ctx, `INSERT INTO totals VALUES ($1, $2)
+			ON CONFLICT (customer_id) DO UPDATE SET cents = totals.cents + excluded.cents`, ev.Customer, ev.Cents); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (s *service) count(t *testing.T, q string, args ...any) int64 {
@@ -397,15 +402,6 @@ func TestAPanickingHookStopsNothing(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE totals (customer_id bigint PRIMARY KEY, cents bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	sum := func(ctx context.Context, tx pgx.Tx, evs []issued) error {
-		for _, ev := range evs {
-			if _, err := tx.Exec(ctx, `INSERT INTO totals VALUES ($1, $2)
-				ON CONFLICT (customer_id) DO UPDATE SET cents = totals.cents + excluded.cents`, ev.Customer, ev.Cents); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
 	var panics sync.Map // hook name → count of staged panics
 	staged := func(name string) {
 		n, _ := panics.LoadOrStore(name, new(atomic.Int64))
@@ -419,7 +415,7 @@ func TestAPanickingHookStopsNothing(t *testing.T) {
 			OnDeadLetter: func(pipeline.DeadLetter) { staged("OnDeadLetter") },
 		},
 		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{
-			{Name: "totals", HandleBatch: sum, Batch: pipeline.Batch{Size: 50, MaxWait: 20 * time.Millisecond}},
+			{Name: "totals", HandleBatch: addTotals, Batch: pipeline.Batch{Size: 50, MaxWait: 20 * time.Millisecond}},
 		}}}})
 	var evs []oncetest.Message
 	for range 5 {
