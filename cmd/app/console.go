@@ -2,10 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
+	"net"
+	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/once-dev/once/console"
 	"github.com/once-dev/once/dlq"
@@ -47,12 +51,26 @@ func (c *consoleCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
+	ln, err := net.Listen("tcp", c.Listen)
+	if err != nil {
+		return fmt.Errorf("--listen (ONCE_CONSOLE_LISTEN): %w", err)
+	}
+	srv := &http.Server{Handler: con, ReadHeaderTimeout: 5 * time.Second}
 	mode := "read-only: no token (ONCE_CONSOLE_TOKEN or --console-token-file)"
 	if cfg.Token != "" {
 		mode = "replay and forget after signing in with the token"
 	}
-	fmt.Fprintf(d.stderr, "console on http://%s%s (%s); Ctrl-C stops it\n", c.Listen, console.DefaultPrefix, mode)
-	return serveHTTP(ctx, d, "console", "--listen (ONCE_CONSOLE_LISTEN)", c.Listen, con)
+	fmt.Fprintf(d.stderr, "console on http://%s%s (%s); Ctrl-C stops it\n", ln.Addr(), console.DefaultPrefix, mode)
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
 }
 
 // databaseName names a database as the console shows it, never by its

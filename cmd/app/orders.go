@@ -171,6 +171,6 @@ func (c *ordersCmd) Run(ctx context.Context, d deps) error {
 	traced := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		mux.ServeHTTP(w, r.WithContext(otel.GetTextMapPropagator().Extract(r.Context(), propagation.HeaderCarrier(r.Header))))
 	})
-	httpErr := serveHTTP(ctx, d, "order API", "--listen (ORDERS_LISTEN)", c.Listen, traced)
+	httpErr := serveHTTP(ctx, d, "order API", c.Listen, traced)
 	return errors.Join(httpErr, <-errc)
 }

@@ -110,15 +110,14 @@ func (c *paymentProviderCmd) Run(ctx context.Context, d deps) error {
 			d.log.Info("forgot expired idempotency keys", "keys", n)
 		}
 	})
-	return serveHTTP(ctx, d, "payment provider simulator", "--listen (PAYMENT_LISTEN)", c.Listen, provider)
+	return serveHTTP(ctx, d, "payment provider simulator", c.Listen, provider)
 }
 
-// serveHTTP serves h on addr until ctx ends, then shuts down gracefully;
-// setting names where addr came from, for the error when it cannot listen.
-func serveHTTP(ctx context.Context, d deps, name, setting, addr string, h http.Handler) error {
+// serveHTTP serves h on addr until ctx ends, then shuts down gracefully.
+func serveHTTP(ctx context.Context, d deps, name, addr string, h http.Handler) error {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("%s: listen on %s: %w", setting, addr, err)
+		return fmt.Errorf("listen on %s: %w", addr, err)
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
