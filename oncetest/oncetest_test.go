@@ -413,9 +413,16 @@ func TestAPanickingHookStopsNothing(t *testing.T) {
 			OnBatch:      func(pipeline.BatchDone) { staged("OnBatch") },
 			OnResult:     func(idempotency.Result) { staged("OnResult") },
 			OnDeadLetter: func(pipeline.DeadLetter) { staged("OnDeadLetter") },
+			OnHeld:       func(pipeline.Held) { staged("OnHeld") },
 		},
 		Topics: []pipeline.Binding{pipeline.Topic[issued]{Name: topic, Decode: decodeIssued, Groups: []pipeline.Group[issued]{
 			{Name: "totals", HandleBatch: addTotals, Batch: pipeline.Batch{Size: 50, MaxWait: 20 * time.Millisecond}},
+			{Name: "unreachable", Handle: func(_ context.Context, _ pgx.Tx, ev issued) error {
+				if ev.Customer == 99 {
+					return errors.New("the database went away (staged)")
+				}
+				return nil
+			}},
 		}}}})
 	var evs []oncetest.Message
 	for range 5 {
@@ -433,4 +440,11 @@ func TestAPanickingHookStopsNothing(t *testing.T) {
 		t.Fatalf("total %d (%v); want 10, every event once", cents, err)
 	}
 	h.Send(topic, evs...).Require(t, oncetest.Duplicate)
+	// Held, with a panicking OnHeld: the harness still learns of the hold
+	// (its own OnHeld ends the wait), or this Send would not return.
+	held := h.Send(topic, oncetest.JSON("k", newIssued(99, 1))).Of("unreachable")
+	held.Require(t, oncetest.Held)
+	if n, ok := panics.Load("OnHeld"); !ok || n.(*atomic.Int64).Load() == 0 {
+		t.Fatal("the staged panic in OnHeld never happened")
+	}
 }
