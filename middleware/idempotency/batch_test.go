@@ -118,7 +118,7 @@ func TestBatchDecidesEachMessageOnItsOwnMerits(t *testing.T) {
 		newMessage(reusedID, `"amount":"99.00"`),  // other bytes under a claimed id
 		newMessage(uuid.New(), `"amount":"1.00"`), // not a UUIDv7
 		fresh,
-		fresh.Copy(), // the same event twice in the batch
+		fresh.Copy(),                           // the same event twice in the batch
 		newMessage(freshID, `"amount":"7.00"`), // and once more, with other values
 	}
 	batch[3].SetContext(context.Background())
