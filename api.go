@@ -110,7 +110,18 @@ func RejectAfterCommit(err error) error { return idempotency.RejectAfterCommit(e
 // MarkExternalEffect records that the attempt charged, refunded or sent
 // something outside its transaction: from then on nothing it returns is
 // permanent, and the message is held until its record commits.
+//
+// In a HandleBatch it marks every event of the batch, since it cannot tell
+// which one moved money: use [MarkExternalEffectOf] there.
 func MarkExternalEffect(ctx context.Context, what string) { idempotency.MarkExternalEffect(ctx, what) }
+
+// MarkExternalEffectOf is [MarkExternalEffect] for ev, one event of a
+// HandleBatch's batch: should the batch roll back, ev alone runs on its own
+// held after the effect, and the batch's other events keep their own
+// verdicts (a declined one is dead-lettered).
+func MarkExternalEffectOf(ctx context.Context, ev Event, what string) {
+	idempotency.MarkExternalEffectOf(ctx, ev.EventID(), what)
+}
 
 // ComposeHooks calls each of hooks' callbacks in turn.
 func ComposeHooks(hooks ...Hooks) Hooks { return pipeline.ComposeHooks(hooks...) }

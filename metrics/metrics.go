@@ -48,6 +48,7 @@ type Metrics struct {
 	commitSeconds                     *prometheus.HistogramVec
 	batchSize                         *prometheus.HistogramVec
 	batchRunAlone, batchDeadlocks     *prometheus.CounterVec
+	afterEffects                      *prometheus.CounterVec
 	forwarded                         *prometheus.CounterVec
 	lag, joined, assigned             *prometheus.GaugeVec
 	held, oldestHeld                  *prometheus.GaugeVec
@@ -81,6 +82,8 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Messages a batch could not decide (it rolled back, or a duplicate in it), run one by one."}, tg),
 		batchDeadlocks: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "batch_deadlocks_total",
 			Help: "Batches rolled back because they deadlocked with another transaction: the batch handler locks rows in no fixed order."}, tg),
+		afterEffects: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "attempts_after_effect_total",
+			Help: "Attempts that ran the handler again after an earlier attempt of the same delivery had an external effect (a charge, a message sent): each relied on that effect's own idempotency key."}, tg),
 		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "outbox_forwarded_total",
 			Help: "Events of the consumer outbox that reached Kafka."}, []string{"topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag",
@@ -118,6 +121,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m.commitSeconds = register(reg, m.commitSeconds, &errs)
 	m.batchSize = register(reg, m.batchSize, &errs)
 	m.batchRunAlone = register(reg, m.batchRunAlone, &errs)
+	m.afterEffects = register(reg, m.afterEffects, &errs)
 	m.batchDeadlocks = register(reg, m.batchDeadlocks, &errs)
 	m.forwarded = register(reg, m.forwarded, &errs)
 	m.lag = register(reg, m.lag, &errs)
@@ -200,6 +204,9 @@ func (m *Metrics) Hooks() pipeline.Hooks {
 // pipeline holds or dead-letters are counted by those hooks instead, so
 // that every message is counted once per decision.
 func (m *Metrics) Result(r idempotency.Result) {
+	if len(r.AfterEffects) > 0 {
+		m.afterEffects.WithLabelValues(r.Topic, r.ConsumerGroup).Inc()
+	}
 	if r.Outcome == idempotency.Failed && r.EventID != [16]byte{} {
 		return
 	}

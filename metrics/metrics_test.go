@@ -17,6 +17,7 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/metrics"
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/schema"
 )
@@ -98,8 +99,11 @@ func TestAPipelinesOutcomesReachPrometheus(t *testing.T) {
 	cfg := pipeline.Config{
 		Brokers: brokers, DB: pool, Tables: names, HoldBackoff: 50 * time.Millisecond, HoldMaxBackoff: 100 * time.Millisecond,
 		Topics: []pipeline.Binding{pipeline.Topic[tick]{Name: topic, DLQ: dlqTopic, Decode: decodeTick, Groups: []pipeline.Group[tick]{
-			{Name: single, Handle: func(_ context.Context, _ pgx.Tx, e tick) error {
+			{Name: single, Handle: func(ctx context.Context, _ pgx.Tx, e tick) error {
 				if e.ID == flaky && flakyFailures.Add(1) == 1 {
+					// The provider charged, then the record failed: the
+					// next attempt runs the handler again after the effect.
+					idempotency.MarkExternalEffect(ctx, "charged (staged)")
 					return errors.New("the database went away (staged)")
 				}
 				return nil
@@ -156,6 +160,12 @@ func TestAPipelinesOutcomesReachPrometheus(t *testing.T) {
 		if got := count(c.group, c.outcome); got != c.want {
 			t.Errorf("%s %s: %v, want %v", c.group, c.outcome, got, c.want)
 		}
+	}
+	if n, _ := value(t, reg, "once_attempts_after_effect_total", map[string]string{"group": single, "topic": topic}); n != 1 {
+		t.Errorf("once_attempts_after_effect_total{group=%s}: %v; want the flaky event's second attempt, 1", single, n)
+	}
+	if n, _ := value(t, reg, "once_attempts_after_effect_total", map[string]string{"group": batched}); n != 0 {
+		t.Errorf("once_attempts_after_effect_total{group=%s}: %v; want 0", batched, n)
 	}
 	for _, name := range []string{"once_claim_seconds", "once_handler_seconds", "once_commit_seconds"} {
 		for _, g := range []string{single, batched} {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -53,10 +54,29 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 		tables:  tables.WithDefaults(),
 		schema:  insertAsText{messages},
 		offsets: offsets,
-		wlog: watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
+		wlog: stopQuiet{watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
-		}),
+		})},
 	}, nil
+}
+
+// stopQuiet is the outbox's Watermill logger: an error that is only the
+// forwarder's stop cutting a poll short is logged at debug level.
+// watermill-sql logs it as "could not commit tx for querying message" at
+// ERROR, at the clean stop of every service, whether it has an outbox or
+// not.
+type stopQuiet struct{ watermill.LoggerAdapter }
+
+func (l stopQuiet) Error(msg string, err error, fields watermill.LogFields) {
+	if errors.Is(err, context.Canceled) {
+		l.LoggerAdapter.Debug(msg, fields.Add(watermill.LogFields{"err": err}))
+		return
+	}
+	l.LoggerAdapter.Error(msg, err, fields)
+}
+
+func (l stopQuiet) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return stopQuiet{l.LoggerAdapter.With(fields)}
 }
 
 // insertAsText is watermill-sql's PostgreSQL schema with an insert that

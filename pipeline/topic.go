@@ -52,6 +52,10 @@ type HandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, ev E) error
 // rows in different orders deadlock, and one of them is rolled back and run
 // event by event (logged as a warning, and counted in BatchDone.Deadlock).
 // The batch's claims are taken in event-id order for the same reason.
+//
+// A call outside the transaction (a provider's charge) is marked with
+// idempotency.MarkExternalEffectOf and the event's id: should the batch
+// roll back, that event alone is held until its record commits.
 type BatchHandlerFunc[E Event] func(ctx context.Context, tx pgx.Tx, evs []E) error
 
 // Batch configures a group's group commit: the events of up to Size

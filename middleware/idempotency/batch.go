@@ -48,18 +48,26 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Messag
 
 // ProcessBatch claims msgs in one transaction, runs h once for those claimed
 // for the first time, and commits: a group commit, which costs the database
-// one commit for the batch instead of one per message. It returns one error
-// per message, in msgs' order:
+// one commit for the batch instead of one per message. msgs are in their
+// order of delivery. It returns one error per message, in msgs' order:
 //
 //   - nil: the message is done (processed in the committed batch, or a
-//     duplicate);
+//     duplicate, of an earlier claim or of its copy earlier in the batch);
 //   - a permanent error: an invalid key, or [ErrPayloadMismatch];
 //   - [ErrRunAlone] (a [*RunAloneError] with why the batch failed, when it
 //     did): run the message through [Middleware.Middleware].
 //
 // A failing batch never decides a message it could not prove: one bad event
 // costs its batch a rollback, and each of the batch's events is then run on
-// its own. OnResult is reported for every message decided here.
+// its own. A message that must run on its own for a reason of its own (its
+// Fingerprint failed; its claim was deleted while the batch read it) is
+// never overtaken: the batch then commits none of its first claims, and
+// they all run on their own, in order. OnResult is reported for every
+// message decided here.
+//
+// In h, [MarkExternalEffectOf] says which event caused an effect outside
+// the transaction: should the batch roll back, that event runs on its own
+// held after the effect, and the others keep their own verdicts.
 func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, h BatchHandler) []error {
 	start := time.Now()
 	errs := make([]error, len(msgs))
@@ -77,6 +85,8 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	keys := make([]uuid.UUID, len(msgs))
 	sums := make([]fingerprints, len(msgs))
 	first := map[uuid.UUID]int{} // a key's first message in the batch
+	var copies []int             // later messages of a key already in the batch
+	mustRunAlone := false
 	var batchKeys []uuid.UUID
 	var batchSums, batchValues [][]byte
 	for i, msg := range msgs {
@@ -91,14 +101,14 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		sum, err := m.cfg.Fingerprint(msg)
 		if err != nil {
 			// Not the message's fault (see Middleware): its own run holds it.
-			errs[i] = ErrRunAlone
+			errs[i], mustRunAlone = ErrRunAlone, true
 			continue
 		}
 		keys[i], sums[i] = key, fingerprintsOf(sum, msg)
 		if _, seen := first[key]; seen {
-			// The same event twice in one batch: its first copy decides
-			// it, and this one finds that claim when run on its own.
-			errs[i] = ErrRunAlone
+			// The same event twice in one batch: its first copy's claim
+			// decides this one too.
+			copies = append(copies, i)
 			continue
 		}
 		first[key] = i
@@ -106,16 +116,43 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		batchSums = append(batchSums, sums[i].raw)
 		batchValues = append(batchValues, sums[i].values)
 	}
-	if len(batchKeys) == 0 {
-		return errs
-	}
-	runAlone := func() []error {
+	// runAlone sends every message the batch has not decided to run on its
+	// own, with why (nil: a reason of the message's own).
+	runAlone := func(cause error) []error {
+		var alone error = ErrRunAlone
+		if cause != nil {
+			alone = &RunAloneError{Cause: cause}
+		}
 		for _, i := range first {
 			if !decided[i] {
-				errs[i] = ErrRunAlone
+				errs[i] = alone
+			}
+		}
+		for _, i := range copies {
+			if !decided[i] {
+				errs[i] = alone
 			}
 		}
 		return errs
+	}
+	if len(batchKeys) == 0 {
+		return errs
+	}
+	if mustRunAlone {
+		// Committing the others could commit a message of its partition
+		// before it.
+		return runAlone(nil)
+	}
+	// decideCopy decides a later copy of a key from the claim its first copy
+	// found or made.
+	decideCopy := func(i int, storedRaw, storedValues []byte) {
+		if !sums[i].match(storedRaw, storedValues) {
+			err := Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, keys[i], m.cfg.ConsumerGroup))
+			m.log(msgs[i], slog.LevelError, "event id reused with a different payload", keys[i], "err", err)
+			report(i, keys[i], PayloadMismatch, err)
+			return
+		}
+		report(i, keys[i], Duplicate, nil)
 	}
 
 	stmtCtx, cancel := context.WithTimeout(ctx, m.cfg.StatementTimeout)
@@ -123,7 +160,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	tx, err := m.cfg.DB.BeginTx(stmtCtx, pgx.TxOptions{IsoLevel: m.cfg.IsoLevel})
 	if err != nil {
 		m.cfg.Logger.Warn("batch: begin failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
-		return runAlone()
+		return runAlone(nil)
 	}
 	committed, committedOK := false, false
 	defer func() {
@@ -135,7 +172,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	rows, err := tx.Query(stmtCtx, m.claimBatchSQL, uuidParams(batchKeys), m.cfg.ConsumerGroup, batchSums, m.idleLimit, m.claimTable, m.stmtLimit, batchValues)
 	if err != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
-		return runAlone()
+		return runAlone(nil)
 	}
 	claimedAt := make(map[uuid.UUID]time.Time, len(batchKeys))
 	// pgtype targets: a uuid.UUID is scanned through its sql.Scanner, as
@@ -146,13 +183,13 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		var at time.Time
 		if err := rows.Scan(&key, &at, &retentionSeconds); err != nil {
 			rows.Close()
-			return runAlone()
+			return runAlone(nil)
 		}
 		claimedAt[key.Bytes] = at
 	}
 	if rows.Err() != nil {
 		m.cfg.Logger.Warn("batch: claim failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", rows.Err())
-		return runAlone()
+		return runAlone(nil)
 	}
 	claim = time.Since(start)
 
@@ -167,33 +204,41 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		stored := map[uuid.UUID]fingerprints{}
 		rows, err := tx.Query(stmtCtx, m.storedHashesSQL, uuidParams(unclaimed), m.cfg.ConsumerGroup)
 		if err != nil {
-			return runAlone()
+			return runAlone(nil)
 		}
 		for rows.Next() {
 			var key pgtype.UUID
 			var f fingerprints
 			if err := rows.Scan(&key, &f.raw, &f.values); err != nil {
 				rows.Close()
-				return runAlone()
+				return runAlone(nil)
 			}
 			stored[key.Bytes] = f
 		}
 		if rows.Err() != nil {
-			return runAlone()
+			return runAlone(nil)
 		}
 		for _, key := range unclaimed {
-			i := first[key]
-			switch f, ok := stored[key]; {
-			case !ok:
+			if _, ok := stored[key]; !ok {
 				// Not inserted and not there: a claim deleted in between
-				// (retention). The message's own run decides it.
-				errs[i] = ErrRunAlone
-			case !sums[i].match(f.raw, f.values):
+				// (retention). The message's own run decides it, and
+				// nothing after it may commit first.
+				return runAlone(nil)
+			}
+		}
+		for _, key := range unclaimed {
+			i, f := first[key], stored[key]
+			if !sums[i].match(f.raw, f.values) {
 				err := Permanent(fmt.Errorf("%w: event %s, consumer group %s", ErrPayloadMismatch, key, m.cfg.ConsumerGroup))
 				m.log(msgs[i], slog.LevelError, "event id reused with a different payload", key, "err", err)
 				report(i, key, PayloadMismatch, err)
-			default:
+			} else {
 				report(i, key, Duplicate, nil)
+			}
+		}
+		for _, i := range copies {
+			if f, ok := stored[keys[i]]; ok {
+				decideCopy(i, f.raw, f.values)
 			}
 		}
 	}
@@ -204,8 +249,9 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 	maxAge := m.maxAge(retentionSeconds)
 	var claimed []*message.Message
 	var claimedIdx []int
+	claimedKeys := map[uuid.UUID]bool{}
 	for i, msg := range msgs {
-		if errs[i] != nil || first[keys[i]] != i {
+		if errs[i] != nil || decided[i] || first[keys[i]] != i {
 			continue
 		}
 		at, ok := claimedAt[keys[i]]
@@ -216,25 +262,28 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 			at = m.cfg.Now()
 		}
 		if m.checkHorizon(keys[i], at, maxAge) != nil {
-			return runAlone()
+			return runAlone(nil)
 		}
 		claimed = append(claimed, msg)
 		claimedIdx = append(claimedIdx, i)
+		claimedKeys[keys[i]] = true
 	}
 
 	if len(claimed) > 0 {
 		handling := time.Now()
-		handlerCtx, batchEffects := withAttempt(ContextWithTx(ctx, tx))
+		handlerCtx, batchEffects := withBatch(ContextWithTx(ctx, tx), claimedKeys)
 		defer func() {
-			// The batch rolled back after an effect outside it: each of its
-			// events carries the mark into its own run, where nothing is
-			// permanent until its record commits.
-			if effects := batchEffects.happened(); len(effects) > 0 && !committedOK {
-				for _, msg := range claimed {
-					if a, ok := msg.Context().Value(attemptKey{}).(*attemptEffects); ok {
-						for _, what := range effects {
-							a.mark(what)
-						}
+			// The batch rolled back after an effect outside it: the event
+			// that caused it (each of them, for a mark of the whole batch)
+			// carries the mark into its own run, where nothing is permanent
+			// until its record commits.
+			if committedOK {
+				return
+			}
+			for _, i := range claimedIdx {
+				if a, ok := msgs[i].Context().Value(attemptKey{}).(*attemptEffects); ok {
+					for _, what := range batchEffects.of(keys[i]) {
+						a.mark(what)
 					}
 				}
 			}
@@ -252,7 +301,7 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 				m.cfg.Logger.Info("batch: the handler failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup,
 					"messages", len(msgs), "claimed", len(claimed), "err", err)
 			}
-			return m.undecide(errs, claimedIdx, err)
+			return runAlone(err)
 		}
 	}
 	finishCtx, finish := m.finishContext(ctx)
@@ -265,13 +314,18 @@ func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, 
 		// Whether it took effect is unknown; each message's own run finds
 		// its claim or makes it.
 		m.cfg.Logger.Warn("batch: commit failed; its messages run on their own", "consumer_group", m.cfg.ConsumerGroup, "messages", len(msgs), "err", err)
-		return m.undecide(errs, claimedIdx, err)
+		return runAlone(err)
 	}
 	committedOK = true
 	for _, i := range claimedIdx {
 		report(i, keys[i], Processed, nil)
 	}
-	return errs
+	for _, i := range copies {
+		if j := first[keys[i]]; !decided[i] && claimedKeys[keys[i]] {
+			decideCopy(i, sums[j].raw, sums[j].values)
+		}
+	}
+	return runAlone(nil) // a copy of a key nothing decided (none, as the batch stands)
 }
 
 // runBatchHandler runs h, a panic included: the batch rolls back and each
@@ -285,17 +339,6 @@ func runBatchHandler(ctx context.Context, tx pgx.Tx, claimed []*message.Message,
 		}
 	}()
 	return h(ctx, tx, claimed)
-}
-
-// undecide sends a rolled-back batch's first claims to run on their own,
-// with why the batch failed; what the batch proved from committed claims
-// (duplicates, mismatches) stands.
-func (m *Middleware) undecide(errs []error, claimedIdx []int, cause error) []error {
-	runAlone := &RunAloneError{Cause: cause}
-	for _, i := range claimedIdx {
-		errs[i] = runAlone
-	}
-	return errs
 }
 
 // RunAloneError is [ErrRunAlone] with why the batch failed (its Cause). It

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -100,7 +101,9 @@ func TestBatchProcessesEachEventOnce(t *testing.T) {
 
 // What a batch can prove stands: a reused id with other bytes is permanent
 // for that message alone, an invalid key too. The same event twice in one
-// batch is decided once; its second copy runs on its own.
+// batch is decided once, in the batch: its second copy is a duplicate of
+// the first's claim, and a copy with other values a mismatch (it used to run
+// on its own, and the batch committed the messages after it first).
 func TestBatchDecidesEachMessageOnItsOwnMerits(t *testing.T) {
 	pool := setup(t)
 	group := uniqueGroup(t, "g")
@@ -115,7 +118,8 @@ func TestBatchDecidesEachMessageOnItsOwnMerits(t *testing.T) {
 		newMessage(reusedID, `"amount":"99.00"`),  // other bytes under a claimed id
 		newMessage(uuid.New(), `"amount":"1.00"`), // not a UUIDv7
 		fresh,
-		fresh.Copy(), // the same event twice in the batch
+		fresh.Copy(),                           // the same event twice in the batch
+		newMessage(freshID, `"amount":"7.00"`), // and once more, with other values
 	}
 	batch[3].SetContext(context.Background())
 	errs := m.ProcessBatch(context.Background(), batch, recordBatch(group, &runs))
@@ -125,8 +129,11 @@ func TestBatchDecidesEachMessageOnItsOwnMerits(t *testing.T) {
 	if !errors.Is(errs[1], idempotency.ErrInvalidKey) || !idempotency.IsPermanent(errs[1]) {
 		t.Errorf("UUIDv4: %v; want a permanent ErrInvalidKey", errs[1])
 	}
-	if errs[2] != nil || !errors.Is(errs[3], idempotency.ErrRunAlone) {
-		t.Errorf("the same event twice: %v, %v; want the first processed, the second run on its own", errs[2], errs[3])
+	if errs[2] != nil || errs[3] != nil {
+		t.Errorf("the same event twice: %v, %v; want the first processed, the second a duplicate", errs[2], errs[3])
+	}
+	if !errors.Is(errs[4], idempotency.ErrPayloadMismatch) || !idempotency.IsPermanent(errs[4]) {
+		t.Errorf("its id with other values in the same batch: %v; want a permanent ErrPayloadMismatch", errs[4])
 	}
 	if effects(t, pool, freshID, group) != 1 || runs.Load() != 2 {
 		t.Fatalf("%d effects of the fresh event, handler saw %d events; want 1 and 2", effects(t, pool, freshID, group), runs.Load())
@@ -364,4 +371,180 @@ func TestAFailedBatchsEventsAreNotPermanent(t *testing.T) {
 			t.Fatalf("event %d: %v (permanent %t); want ErrRunAlone, not permanent", i, err, idempotency.IsPermanent(err))
 		}
 	}
+}
+
+// delivered is a message as a router hands it out: with its delivery's
+// record of external effects, which lasts across its attempts.
+func delivered(msg *message.Message) *message.Message {
+	msg.SetContext(idempotency.WithDelivery(context.Background()))
+	return msg
+}
+
+// verdictAlone is a handler of one event that gives the event's own
+// permanent verdict, as a declined card does.
+func verdictAlone(*message.Message) ([]*message.Message, error) {
+	return nil, idempotency.Permanent(errors.New("declined"))
+}
+
+// Issue 28, item 1: a batch that rolls back after one event's external
+// effect holds that event only. The batch's other events keep their own
+// verdicts: one that says permanent is dead-lettered, not held for ever
+// behind a mark that was not its own (on main the only mark a batch had
+// was the batch's, copied onto every event, and such an event was held at
+// attempt 96 and more, its partition behind it).
+func TestABatchsEffectMarksOnlyTheEventThatCausedIt(t *testing.T) {
+	pool := setup(t)
+	for _, how := range []struct {
+		name string
+		mark func(ctx context.Context, charged *message.Message, id uuid.UUID)
+	}{
+		{"by event id", func(ctx context.Context, _ *message.Message, id uuid.UUID) {
+			idempotency.MarkExternalEffectOf(ctx, id, "charged")
+		}},
+		{"from the event's own context", func(_ context.Context, charged *message.Message, _ uuid.UUID) {
+			idempotency.MarkExternalEffect(charged.Context(), "charged")
+		}},
+	} {
+		t.Run(how.name, func(t *testing.T) {
+			m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+			chargedID, charged := newEvent(t)
+			_, declined := newEvent(t)
+			batch := []*message.Message{delivered(charged), delivered(declined)}
+			errs := m.ProcessBatch(context.Background(), batch, func(ctx context.Context, _ pgx.Tx, claimed []*message.Message) error {
+				how.mark(ctx, claimed[0], chargedID)
+				return idempotency.Permanent(errors.New("the second event's verdict fails the batch"))
+			})
+			for i, err := range errs {
+				if !errors.Is(err, idempotency.ErrRunAlone) {
+					t.Fatalf("event %d: %v; want both sent to run alone", i, err)
+				}
+			}
+			// Each on its own, with a handler that says permanent: the
+			// charged event is held until its record commits, the other
+			// is dead-lettered.
+			if _, err := m.Middleware(verdictAlone)(charged); !errors.Is(err, idempotency.ErrAfterExternalEffect) || idempotency.IsPermanent(err) {
+				t.Errorf("the charged event on its own: %v; want held after its effect", err)
+			}
+			if _, err := m.Middleware(verdictAlone)(declined); !idempotency.IsPermanent(err) || errors.Is(err, idempotency.ErrAfterExternalEffect) {
+				t.Errorf("the other event on its own: %v; want its own permanent verdict", err)
+			}
+		})
+	}
+}
+
+// A mark of the whole batch, or of an id that is none of its events, cannot
+// say which event moved money: every event of the batch is held after it,
+// and no mark is lost.
+func TestABatchWideEffectMarkHoldsEveryEvent(t *testing.T) {
+	pool := setup(t)
+	for _, how := range []struct {
+		name string
+		mark func(ctx context.Context)
+	}{
+		{"MarkExternalEffect", func(ctx context.Context) { idempotency.MarkExternalEffect(ctx, "sent") }},
+		{"an id not in the batch", func(ctx context.Context) {
+			idempotency.MarkExternalEffectOf(ctx, uuid.Must(uuid.NewV7()), "sent")
+		}},
+	} {
+		t.Run(how.name, func(t *testing.T) {
+			m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+			_, msgs := newEvents(t, 2)
+			for _, msg := range msgs {
+				delivered(msg)
+			}
+			m.ProcessBatch(context.Background(), msgs, func(ctx context.Context, _ pgx.Tx, _ []*message.Message) error {
+				how.mark(ctx)
+				return errors.New("rolled back")
+			})
+			for i, msg := range msgs {
+				if _, err := m.Middleware(verdictAlone)(msg); !errors.Is(err, idempotency.ErrAfterExternalEffect) {
+					t.Errorf("event %d on its own: %v; want held after the batch's effect", i, err)
+				}
+			}
+		})
+	}
+}
+
+// claimThief is the database as the middleware sees it, with a retention
+// pass that deletes a claim just before the batch reads the claims it did
+// not insert: the window between the two statements, opened on purpose.
+type claimThief struct {
+	*pgxpool.Pool
+	steal  func()
+	stolen atomic.Int64
+}
+
+func (c *claimThief) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
+	tx, err := c.Pool.BeginTx(ctx, opts)
+	return &thievingTx{Tx: tx, c: c}, err
+}
+
+type thievingTx struct {
+	pgx.Tx
+	c *claimThief
+}
+
+func (tx *thievingTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if strings.HasPrefix(sql, "SELECT event_id, payload_sha256") {
+		tx.c.steal()
+		tx.c.stolen.Add(1)
+	}
+	return tx.Tx.Query(ctx, sql, args...)
+}
+
+// Issue 28, item 2: a message a batch sends to run on its own is never
+// overtaken by the messages after it. On main the batch committed them and
+// the pipeline acknowledged them first, out of their partition's order.
+func TestAMessageSentToRunAloneIsNeverOvertaken(t *testing.T) {
+	pool := setup(t)
+	t.Run("its claim was deleted while the batch read it", func(t *testing.T) {
+		group := uniqueGroup(t, "g")
+		redeliveredID, redelivered := newEvent(t)
+		first := redelivered.Copy()
+		first.SetContext(context.Background())
+		if _, err := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group}).Middleware(recordEffect(group, new(atomic.Int64)))(first); err != nil {
+			t.Fatal(err)
+		}
+		thief := &claimThief{Pool: pool, steal: func() {
+			if _, err := pool.Exec(context.Background(), `DELETE FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, redeliveredID, group); err != nil {
+				t.Error(err)
+			}
+		}}
+		m := newMiddleware(t, idempotency.Config{DB: thief, ConsumerGroup: group})
+		laterID, later := newEvent(t)
+		var runs atomic.Int64
+		errs := m.ProcessBatch(context.Background(), []*message.Message{redelivered, later}, recordBatch(group, &runs))
+		if thief.stolen.Load() != 1 {
+			t.Fatalf("the claim was taken away %d times; want once", thief.stolen.Load())
+		}
+		for i, err := range errs {
+			if !errors.Is(err, idempotency.ErrRunAlone) {
+				t.Errorf("message %d: %v; want it sent to run alone, in order", i, err)
+			}
+		}
+		if n := claims(t, pool, laterID, group); n != 0 || runs.Load() != 0 {
+			t.Fatalf("the later message: %d claims, handled %d times; want none before the first ran", n, runs.Load())
+		}
+	})
+	t.Run("its fingerprint failed", func(t *testing.T) {
+		group := uniqueGroup(t, "g")
+		brokenID, broken := newEvent(t)
+		m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group, Fingerprint: func(msg *message.Message) ([32]byte, error) {
+			if id, _ := idempotency.PayloadEventID(msg); id == brokenID {
+				return [32]byte{}, errors.New("a fingerprint that cannot be made")
+			}
+			return idempotency.PayloadSHA256(msg)
+		}})
+		laterID, later := newEvent(t)
+		var runs atomic.Int64
+		errs := m.ProcessBatch(context.Background(), []*message.Message{broken, later}, recordBatch(group, &runs))
+		for i, err := range errs {
+			if !errors.Is(err, idempotency.ErrRunAlone) {
+				t.Errorf("message %d: %v; want it sent to run alone, in order", i, err)
+			}
+		}
+		if n := claims(t, pool, laterID, group); n != 0 || runs.Load() != 0 {
+			t.Fatalf("the later message: %d claims, handled %d times; want none before the first ran", n, runs.Load())
+		}
+	})
 }

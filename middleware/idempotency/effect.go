@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
+
+	"github.com/google/uuid"
 )
 
 // MarkExternalEffect records that the current attempt caused an effect
@@ -27,11 +30,36 @@ import (
 // pipeline does): the horizon no longer refuses it either, since its record
 // must commit. Without one, it holds for the rest of this call.
 //
+// In a batch's handler ([Middleware.ProcessBatch]) it cannot tell which of
+// the batch's events caused the effect, so it marks every one of them: if
+// the batch rolls back, each runs on its own held after the effect, and an
+// event's own permanent verdict is held with it. Say which event it was
+// with [MarkExternalEffectOf].
+//
 // Outside the middleware (ctx carries no attempt) it does nothing.
 func MarkExternalEffect(ctx context.Context, what string) {
+	if b, ok := ctx.Value(batchKey{}).(*batchEffects); ok {
+		b.markAll(what)
+		return
+	}
 	if a, ok := ctx.Value(attemptKey{}).(*attemptEffects); ok {
 		a.mark(what)
 	}
+}
+
+// MarkExternalEffectOf is [MarkExternalEffect] for the event whose id is
+// eventID. In a batch's handler it marks that event only: should the batch
+// roll back, that event runs on its own held after the effect, and the
+// batch's other events keep their own verdicts (a permanent one is
+// dead-lettered). An id that is none of the batch's claimed events marks
+// them all, as MarkExternalEffect does: a mark is never lost. For a handler
+// of one event it is MarkExternalEffect.
+func MarkExternalEffectOf(ctx context.Context, eventID uuid.UUID, what string) {
+	if b, ok := ctx.Value(batchKey{}).(*batchEffects); ok {
+		b.mark(eventID, what)
+		return
+	}
+	MarkExternalEffect(ctx, what)
 }
 
 // WithDelivery returns ctx with a record of one delivery's external effects
@@ -61,6 +89,45 @@ type attemptEffects struct {
 }
 
 type attemptKey struct{}
+
+// batchEffects is what one batch's attempt did outside its transaction:
+// marks for the whole batch, and marks for one of its events.
+type batchEffects struct {
+	mu      sync.Mutex
+	claimed map[uuid.UUID]bool
+	all     []string
+	byEvent map[uuid.UUID][]string
+}
+
+type batchKey struct{}
+
+func withBatch(ctx context.Context, claimed map[uuid.UUID]bool) (context.Context, *batchEffects) {
+	b := &batchEffects{claimed: claimed, byEvent: map[uuid.UUID][]string{}}
+	return context.WithValue(ctx, batchKey{}, b), b
+}
+
+func (b *batchEffects) markAll(what string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.all = append(b.all, what)
+}
+
+func (b *batchEffects) mark(id uuid.UUID, what string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.claimed[id] {
+		b.all = append(b.all, what)
+		return
+	}
+	b.byEvent[id] = append(b.byEvent[id], what)
+}
+
+// of is what happened for the event id: the batch's marks and its own.
+func (b *batchEffects) of(id uuid.UUID) []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append(slices.Clone(b.all), b.byEvent[id]...)
+}
 
 func withAttempt(ctx context.Context) (context.Context, *attemptEffects) {
 	a := &attemptEffects{}

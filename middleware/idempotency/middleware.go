@@ -320,6 +320,12 @@ type Result struct {
 	// message decided in a batch): begin and claim, the handler, the
 	// commit. Zero for a phase the attempt did not reach.
 	Claim, Handle, Commit time.Duration
+	// AfterEffects are the external effects ([MarkExternalEffect]) that
+	// earlier attempts of this delivery had when this attempt ran the
+	// handler again: non-empty, the handler repeated calls whose effects
+	// only their own idempotency (an Idempotency-Key equal to the event id)
+	// keeps from happening twice. Nil otherwise.
+	AfterEffects []string
 }
 
 // Middleware is the idempotent-consumer middleware of one consumer group.
@@ -361,10 +367,11 @@ func milliseconds(d time.Duration) *string {
 
 // Middleware wraps h as described in the package documentation. Errors it
 // returns are permanent ([IsPermanent]: an invalid key, [ErrPayloadMismatch],
-// an event outside the dedup horizon, a [*RejectedError], what the handler
-// marked so, or a data error of the handler's own statement), or else the
-// error of an attempt that rolled back and may pass when tried again (the
-// database, the network, the handler's other failures).
+// an event outside the dedup horizon, a [*RejectedError], or what the
+// handler marked so with [Permanent]), or else the error of an attempt that
+// rolled back and may pass when tried again (the database, a constraint or
+// a value the server refused, the network, the handler's other failures, and
+// anything after an external effect).
 func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		start := time.Now()
@@ -447,7 +454,7 @@ func IDTime(id uuid.UUID) time.Time {
 // commit. The deferred rollback also covers a panicking handler, so a panic
 // leaves no claim behind before it unwinds to the recoverer.
 func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uuid.UUID, sums fingerprints, effects *attemptEffects, res *Result) (_ Outcome, _ []*message.Message, err error) {
-	res.Claim, res.Handle, res.Commit = 0, 0, 0
+	res.Claim, res.Handle, res.Commit, res.AfterEffects = 0, 0, 0, nil
 	began := time.Now()
 	msgCtx := msg.Context()
 	stmtCtx, cancel := context.WithTimeout(msgCtx, m.cfg.StatementTimeout)
@@ -499,6 +506,14 @@ func (m *Middleware) attempt(msg *message.Message, h message.HandlerFunc, key uu
 		}
 	}
 
+	if before := effects.happened(); len(before) > 0 {
+		// The handler runs again after an effect it may repeat: only that
+		// effect's own idempotency (an Idempotency-Key) keeps it from
+		// happening twice, which an operator should be able to see.
+		res.AfterEffects = before
+		m.log(msg, slog.LevelWarn, "running the handler again after an external effect of an earlier attempt; the effect's own idempotency key must keep it from happening twice", key,
+			"effects", before)
+	}
 	msg.SetContext(ContextWithTx(msgCtx, tx))
 	handling := time.Now()
 	produced, err := func() ([]*message.Message, error) {
