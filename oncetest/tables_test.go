@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
@@ -36,38 +37,56 @@ func (s shipments) handle(ctx context.Context, tx pgx.Tx, ev shipped) error {
 	return err
 }
 
+// byPath is the other way using.md shows: the handler's first statement
+// sets the search_path for its transaction only, and its SQL names no
+// schema.
+func byPath(schema string) func(context.Context, pgx.Tx, shipped) error {
+	return func(ctx context.Context, tx pgx.Tx, ev shipped) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, pgx.Identifier{schema}.Sanitize()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO tallies VALUES ($1)`, ev.Parcel)
+		return err
+	}
+}
+
 // Issue 28, item 8a: a handler that schema-qualifies its tables runs in the
 // test's schema as it runs in production's, with nothing resting on the
-// search_path: the harness here runs on a pool whose search_path is
-// DATABASE_URL's own (public first), as a pooler's would be.
+// search_path; so does one that sets the search_path for its transaction.
+// The harness runs them on pools whose search_path does not reach the
+// test's schema: DATABASE_URL's own, in each of pgx's exec modes, and
+// behind PgBouncer in transaction pooling.
 func TestASchemaQualifiedHandlerRunsInTheTestsSchema(t *testing.T) {
 	db := oncetest.NewDB(t)
 	ctx := context.Background()
-	table := pgx.Identifier{db.Schema, "shipments"}.Sanitize()
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+table+` (id bigint PRIMARY KEY, parcels int NOT NULL); INSERT INTO `+table+` VALUES (7, 0)`); err != nil {
+	table, tallies := pgx.Identifier{db.Schema, "shipments"}.Sanitize(), pgx.Identifier{db.Schema, "tallies"}.Sanitize()
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+table+` (id bigint PRIMARY KEY, parcels int NOT NULL); INSERT INTO `+table+` VALUES (7, 0);
+		CREATE TABLE `+tallies+` (parcel_id bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	plain, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(plain.Close)
-	var path string
-	if err := plain.QueryRow(ctx, `SHOW search_path`).Scan(&path); err != nil {
-		t.Fatal(err)
-	}
-	var found bool // the table is not reachable unqualified from this pool
-	if err := plain.QueryRow(ctx, `SELECT to_regclass('shipments') IS NOT NULL`).Scan(&found); err != nil || found {
-		t.Fatalf("search_path %q reaches an unqualified shipments (%v): the test would not show the qualification works", path, err)
-	}
+	for i, way := range testenv.EveryWay {
+		t.Run(way.String(), func(t *testing.T) {
+			pool := way.Pool(t)
+			var found bool
+			if err := pool.QueryRow(ctx, `SELECT to_regclass('shipments') IS NOT NULL OR to_regclass('tallies') IS NOT NULL`).Scan(&found); err != nil || found {
+				t.Fatalf("the pool's search_path reaches an unqualified shipments or tallies (%v): the test would not show the qualification works", err)
+			}
+			h := oncetest.New(t, oncetest.Config{DB: pool, Tables: db.Tables, Topics: []pipeline.Binding{pipeline.Topic[shipped]{Name: "parcel.shipped.v1",
+				Decode: decodeShipped, Groups: []pipeline.Group[shipped]{{Name: "shipments", Handle: newShipments(db.Schema).handle},
+					{Name: "tallies", Handle: byPath(db.Schema)}}}}})
+			h.RequireOnce("parcel.shipped.v1", oncetest.JSON("7", shipped{ID: uuid.Must(uuid.NewV7()), Parcel: 7}))
 
-	h := oncetest.New(t, oncetest.Config{DB: plain, Tables: db.Tables, Topics: []pipeline.Binding{pipeline.Topic[shipped]{Name: "parcel.shipped.v1",
-		Decode: decodeShipped, Groups: []pipeline.Group[shipped]{{Name: "shipments", Handle: newShipments(db.Schema).handle}}}}})
-	h.RequireOnce("parcel.shipped.v1", oncetest.JSON("7", shipped{ID: uuid.Must(uuid.NewV7()), Parcel: 7}))
-
-	var parcels int
-	if err := plain.QueryRow(ctx, `SELECT parcels FROM `+table+` WHERE id = 7`).Scan(&parcels); err != nil || parcels != 1 {
-		t.Fatalf("parcels %d (%v); want 1: the event's effect, once, in the test's schema", parcels, err)
+			var parcels, tallied int
+			if err := pool.QueryRow(ctx, `SELECT parcels FROM `+table+` WHERE id = 7`).Scan(&parcels); err != nil || parcels != i+1 {
+				t.Fatalf("parcels %d (%v); want %d: each event's effect, once, in the test's schema", parcels, err, i+1)
+			}
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tallies).Scan(&tallied); err != nil || tallied != i+1 {
+				t.Fatalf("tallies %d (%v); want %d", tallied, err, i+1)
+			}
+			if err := pool.QueryRow(ctx, `SELECT to_regclass('tallies') IS NOT NULL`).Scan(&found); err != nil || found {
+				t.Fatalf("after the handlers, the pool's search_path reaches tallies (%v): the transaction's setting outlived it", err)
+			}
+		})
 	}
 }
 
@@ -75,13 +94,13 @@ func decodeShipped(b []byte) (s shipped, err error) { return s, json.Unmarshal(b
 
 // Issue 28, item 8e: instances that create a team's tables as they start
 // collide, since CREATE TABLE IF NOT EXISTS is not safe against a
-// concurrent creator (two transactions both find the name free, and one
-// fails on pg_type's unique index, 23505, or with 42P07 or 42710). The pattern
-// docs/using.md shows, the DDL in one transaction behind a
-// transaction-scoped advisory lock (released at commit: a transaction
-// pooler strands nothing), runs from every goroutine without an error; the
-// same DDL without the lock fails at least once in the same number of
-// tries, which shows the fault is real.
+// concurrent creator: two transactions both find the name free, and one
+// fails on pg_type's unique index (23505), or with 42P07 or 42710. The
+// same DDL without a lock fails at least once within maxTries, which
+// shows the fault is real; the pattern docs/using.md shows (the DDL in one
+// transaction behind a transaction-scoped advisory lock, released at
+// commit, so a transaction pooler strands nothing) runs from every
+// goroutine without an error, directly and behind PgBouncer.
 func TestATeamsTablesCreatedByInstancesStartingTogether(t *testing.T) {
 	db := oncetest.NewDB(t)
 	ctx := context.Background()
@@ -100,7 +119,7 @@ func TestATeamsTablesCreatedByInstancesStartingTogether(t *testing.T) {
 	t.Cleanup(pool.Close)
 	// run creates a new table from every instance at once, n times or
 	// until one failed, and counts the failures.
-	run := func(locked bool, n int, untilOne bool) (failures, ran int) {
+	run := func(pool *pgxpool.Pool, locked bool, n int, untilOne bool) (failures, ran int) {
 		for try := range n {
 			if untilOne && failures > 0 {
 				break
@@ -141,12 +160,20 @@ func TestATeamsTablesCreatedByInstancesStartingTogether(t *testing.T) {
 		}
 		return failures, ran
 	}
-	if n, ran := run(false, maxTries, true); n == 0 {
+	if n, ran := run(pool, false, maxTries, true); n == 0 {
 		t.Fatalf("CREATE TABLE IF NOT EXISTS from %d connections at once never failed in %d tries: the test does not show the race", instances, ran)
 	} else {
 		t.Logf("without the lock: %d of %d creations failed (%d tries)", n, ran*instances, ran)
 	}
-	if n, ran := run(true, tries, false); n != 0 {
-		t.Fatalf("behind pg_advisory_xact_lock: %d of %d creations failed; want none", n, ran*instances)
+	// Behind PgBouncer too: the lock is the transaction's, which the
+	// pooler keeps on one server connection from BEGIN to COMMIT.
+	pooled := testenv.Where{Pooled: true, Mode: pgx.QueryExecModeExec}
+	for _, p := range []struct {
+		name string
+		pool *pgxpool.Pool
+	}{{"direct", pool}, {pooled.String(), pooled.Pool(t)}} {
+		if n, ran := run(p.pool, true, tries, false); n != 0 {
+			t.Fatalf("%s, behind pg_advisory_xact_lock: %d of %d creations failed; want none", p.name, n, ran*instances)
+		}
 	}
 }
