@@ -194,9 +194,9 @@ const (
 	notShownHere = "Payload and headers are on the letter's own page."
 )
 
-// showPayloads is why r's person may not see payloads and headers, or ""
+// payloadsHidden is why r's person may not see payloads and headers, or ""
 // when they may.
-func (c *Console) showPayloads(r *http.Request) string {
+func (c *Console) payloadsHidden(r *http.Request) string {
 	switch {
 	case c.cfg.Token == "":
 		return hiddenNoToken
@@ -325,7 +325,7 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 	}
 	slices.SortFunc(data.Reasons, func(a, b reasonGroup) int { return cmp.Or(b.Count-a.Count, strings.Compare(a.Reason, b.Reason)) })
 	var perrs []error
-	hidden := c.showPayloads(r)
+	hidden := c.payloadsHidden(r)
 	for _, db := range c.cfg.Databases {
 		parked, err := c.store.ListMatching(r.Context(), db.DB, c.dlqTopics(), f, c.cfg.Limit, now)
 		if err != nil {
@@ -383,7 +383,7 @@ func (c *Console) letter(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusNotFound, err.Error())
 		return
 	}
-	v := c.view(e, c.cfg.Now(), c.showPayloads(r))
+	v := c.view(e, c.cfg.Now(), c.payloadsHidden(r))
 	c.render(w, r, http.StatusOK, "letter", "Dead letter "+e.DLQTopic+"/"+strconv.Itoa(int(e.Partition))+"@"+strconv.FormatInt(e.Offset, 10), v)
 }
 
