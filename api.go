@@ -12,20 +12,50 @@ import (
 )
 
 // What a team writes its topics and handlers with: the pipeline's types,
-// named here so that one import serves.
+// named here so that one import serves. They are aliases, and go doc shows
+// an alias's fields only at its pipeline type: the doc of each one a team
+// fills in lists its fields here (TestTheAliasesListTheirFields keeps the
+// lists complete).
 type (
 	// Event is what a topic carries once decoded: a value that knows its
 	// own event id, a UUIDv7 from the payload (R-KFK-IDEM-1).
 	Event = pipeline.Event
 	// Topic binds a Kafka topic and its event type to the groups that read
-	// it. Its fields (Name, DLQ, Decode, Groups, Extra) are documented at
-	// [pipeline.Topic].
+	// it (an alias of [pipeline.Topic]). Its fields:
+	//
+	//   - Name: the Kafka topic. Required.
+	//   - DLQ: its dead-letter topic, created when missing. Default:
+	//     Name + ".dlq".
+	//   - Decode: validates a payload into an E; its error dead-letters the
+	//     message, with the error as its reason. Required.
+	//   - Groups: the consumer groups that read the topic, each with its own
+	//     dedup. At least one.
+	//   - Extra: a team's middleware for every group of the topic, outside
+	//     each group's own. Default: none.
 	Topic[E Event] = pipeline.Topic[E]
-	// Group is one consumer group on a topic. Its fields (Name, Handle,
-	// HandleBatch, Batch, DB, TooOld, Extra) are documented at
-	// [pipeline.Group]. A new group starts at the topic's oldest retained
-	// message; what is older than the dedup horizon follows its TooOld
-	// policy (dead-lettered by default).
+	// Group is one consumer group on a topic (an alias of
+	// [pipeline.Group]): its Kafka group id and the second half of its
+	// dedup key are both Name. A new group starts at the topic's oldest
+	// retained message; what is older than the dedup horizon follows its
+	// TooOld policy. Its fields:
+	//
+	//   - Name: the consumer group. Required.
+	//   - Handle: the business logic, one event per transaction, the
+	//     claim's. Required unless HandleBatch is set.
+	//   - HandleBatch: turns the group commit on, the group's events
+	//     claimed, handled and committed in batches; Handle, if set too,
+	//     runs the events of a failed batch one by one. Default: none.
+	//   - Batch: sizes HandleBatch's batches (see [Batch]). Default: its
+	//     defaults.
+	//   - DB: the group's database. With the front door leave it nil and
+	//     name the database in Config.GroupDatabases, which the service
+	//     opens, migrates and retains. Default: Config.GroupDatabases[Name],
+	//     else the service's database.
+	//   - TooOld: what the group does with an event older than the dedup
+	//     horizon. Default: [RejectTooOld] (dead-lettered), the only safe
+	//     one for money.
+	//   - Extra: a team's middleware for this group, inside the topic's.
+	//     Default: none.
 	Group[E Event] = pipeline.Group[E]
 	// Decoder validates a payload into an event; its error dead-letters the
 	// message.
@@ -36,23 +66,70 @@ type (
 	// BatchHandlerFunc is a group's business logic for a batch of events
 	// (the group commit).
 	BatchHandlerFunc[E Event] = pipeline.BatchHandlerFunc[E]
-	// Batch sizes a group's group commit (Size, MaxWait, WaitToFill, Window,
-	// Concurrency, ThroughRouter; see [pipeline.Batch]).
+	// Batch sizes a group's group commit (an alias of [pipeline.Batch],
+	// which says how batches form). Its fields:
+	//
+	//   - Size: the most events in one transaction. Default: 100.
+	//   - MaxWait: the longest a batch's oldest event waits, with a commit
+	//     slot free, for the events on their way to join it. Default: 5ms.
+	//   - WaitToFill: wait for Size events, up to MaxWait, even when none is
+	//     on its way: fewer, fuller commits, for latency. Default: false.
+	//   - Window: how many messages of one partition may be in flight at
+	//     once; they still reach the handler and commit in order. Default:
+	//     Size.
+	//   - Concurrency: how many batches may run at once, each on a
+	//     connection of its own. Default: 2.
+	//   - ThroughRouter: keep every message on the router's path, for
+	//     router-level middleware that must see each one (slower). Default:
+	//     false.
 	Batch = pipeline.Batch
-	// Extra holds a team's Watermill middleware in fixed slots.
+	// Extra holds a team's Watermill middleware in fixed slots of the
+	// safety chain, so that where one runs is decided by what it is for
+	// (an alias of [pipeline.Extra]; within a slot the first runs
+	// outermost). Its fields, each a list that defaults to none:
+	//
+	//   - Observe: sees every delivery and how it ended; for metrics, logs
+	//     and traces.
+	//   - BeforeClaim: after decoding, before the claim's transaction
+	//     begins; nothing it does is part of the claim.
+	//   - InTx: inside the claim's transaction, around the handler, for
+	//     first deliveries only (once per batch in a batched group).
 	Extra = pipeline.Extra
 	// Binding is a Topic of any event type.
 	Binding = pipeline.Binding
-	// Outgoing is a topic the handlers publish events to with [Publish]
-	// (Name, Key, Encode; see [pipeline.Outgoing]).
+	// Outgoing is a topic the handlers publish events to with [Publish],
+	// through the consumer outbox in the claim's transaction (an alias of
+	// [pipeline.Outgoing]). Its fields:
+	//
+	//   - Name: the Kafka topic. Required.
+	//   - Key: an event's Kafka key; one aggregate's events share one, so
+	//     that they stay in one partition and in order. Required; an event
+	//     whose key is empty is refused at the call.
+	//   - Encode: an event's payload. Default: json.Marshal.
 	Outgoing[E Event] = pipeline.Outgoing[E]
 	// OutgoingBinding is an Outgoing of any event type.
 	OutgoingBinding = pipeline.OutgoingBinding
 	// Delivery is where a message came from.
 	Delivery = pipeline.Delivery
-	// Hooks are callbacks on what happens to messages.
+	// Hooks are callbacks on what happens to messages (an alias of
+	// [pipeline.Hooks]), called on the pipeline's own goroutines: keep
+	// them short, never block. Its fields, each nil by default:
+	//
+	//   - OnResult: the idempotency outcome of every claim attempt.
+	//   - OnDelivered: every message a group's chain receives.
+	//   - OnHeld: after each failed attempt of a held message.
+	//   - OnDeadLetter: a message dead-lettered, its letter committed.
+	//   - OnForwarded: an event of a group's outbox reached Kafka.
+	//   - OnBatch: after each batch of a batched group.
 	Hooks = pipeline.Hooks
-	// KafkaSecurity is TLS and SASL for every Kafka connection.
+	// KafkaSecurity is TLS and SASL for every Kafka connection (an alias
+	// of [pipeline.KafkaSecurity]; the zero value is plaintext without
+	// authentication). Its fields:
+	//
+	//   - TLS: encrypts every connection. Default: nil, plaintext.
+	//   - SASLMechanism: SCRAM-SHA-512, SCRAM-SHA-256, or PLAIN (only over
+	//     TLS). Default: "", none.
+	//   - User, Password: the SASL principal. Default: none.
 	KafkaSecurity = pipeline.KafkaSecurity
 	// TooOldPolicy says what a group does with an event older than the
 	// dedup horizon.

@@ -145,7 +145,17 @@ type Config struct {
 	AttemptTimeout     time.Duration
 	StatementTimeout   time.Duration
 	TxStatementTimeout time.Duration
-	SessionTimeout     time.Duration
+	// SessionTimeout is how long the broker waits for a member of a
+	// consumer group that stopped answering before it gives the member's
+	// partitions to the others: what a kill -9, an OOM kill or a lost node
+	// costs, since those partitions are consumed by nobody meanwhile (a
+	// stop with SIGTERM leaves the group, and its partitions move at once).
+	// Shorter moves them sooner, but a process paused longer than it (a
+	// throttled container, a stopped VM) is then put out of the group and
+	// its partitions rebalanced; the broker refuses less than
+	// its group.min.session.timeout.ms, 6s by default. Heartbeats go every
+	// third of it. Default: 10s (sarama's).
+	SessionTimeout time.Duration
 	// DrainTimeout is how long a stop lets messages in flight finish (and
 	// bounds leaving the groups on a broker that does not answer). Default:
 	// [DefaultDrainTimeout].

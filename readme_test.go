@@ -22,6 +22,10 @@ func TestTheDocsGoBlocksBuild(t *testing.T) {
 	overlay := map[string]string{}
 	var pkgs, testPkgs []string
 	for _, f := range files {
+		allowed, known := knownOutside[f]
+		if known && allowed == "" {
+			continue
+		}
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
@@ -84,4 +88,137 @@ func TestTheDocsGoBlocksBuild(t *testing.T) {
 		}
 	}
 	t.Logf("%d Go blocks build, %d test blocks compile and pass", len(pkgs), len(testPkgs))
+}
+
+// outside is a path into the folder beside the checkout that the project
+// was written next to: a reader of the repository does not have it.
+var outside = regexp.MustCompile(`\.\./shared\b`)
+
+// knownOutside are the lines that may name it, by file: code that uses the
+// style guide's own copy of the Python peer when it lies there, and falls
+// back to the repository's (dev/seedpeer); no text sends a reader there.
+// This file names it to look for it.
+var knownOutside = map[string]string{
+	"cmd/app/benchthroughput.go": `[]string{"../shared/bench/seedpeer", "dev/seedpeer"}`,
+	"readme_test.go":             "",
+}
+
+var (
+	fenced     = regexp.MustCompile("(?ms)^\\s*```.*?^\\s*```")
+	codeSpan   = regexp.MustCompile("`[^`\n]*`")
+	mdLink     = regexp.MustCompile(`\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"]*")?\s*\)`)
+	mdRefLink  = regexp.MustCompile(`(?m)^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)`)
+	htmlLink   = regexp.MustCompile(`(?i)\b(?:href|src)="([^"]+)"`)
+	goUpPath   = regexp.MustCompile(`(?:\.\./)+[\w.\-/]*`)
+	urlPattern = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.\-]*:`)
+)
+
+// repoFiles are the repository's files with one of exts: those git
+// tracks, and new ones it does not ignore; without git, the tree's, less
+// the dot folders (the development services' data).
+func repoFiles(t *testing.T, exts ...string) []string {
+	t.Helper()
+	var all []string
+	if out, err := exec.Command("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard").Output(); err == nil {
+		all = strings.Split(strings.TrimRight(string(out), "\x00"), "\x00")
+	} else if err := filepath.WalkDir(".", func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && p != "." && strings.HasPrefix(d.Name(), ".") {
+			return filepath.SkipDir
+		}
+		if !d.IsDir() {
+			all = append(all, p)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, f := range all {
+		for _, ext := range exts {
+			if strings.HasSuffix(f, ext) {
+				if _, err := os.Stat(f); err == nil { // deleted, not yet staged
+					out = append(out, filepath.ToSlash(f))
+				}
+				break
+			}
+		}
+	}
+	return out
+}
+
+// Issue 28, item 9: the README sent its reader to a specification in a
+// folder beside the checkout, which a user of the repository does not
+// have (docs/specification.md now). No Markdown
+// or Go file names that folder, no relative link or path leaves the
+// repository's root, and every relative link of the Markdown files reaches
+// a file that is there.
+func TestTheDocsStandAlone(t *testing.T) {
+	files := repoFiles(t, ".md", ".go")
+	var mds int
+	for _, f := range files {
+		allowed, known := knownOutside[f]
+		if known && allowed == "" {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := string(b)
+		for i, line := range strings.Split(text, "\n") {
+			if outside.MatchString(line) && (!known || !strings.Contains(line, allowed)) {
+				t.Errorf("%s:%d names a folder outside the repository: %s", f, i+1, strings.TrimSpace(line))
+			}
+		}
+		dir := filepath.Dir(f)
+		if strings.HasSuffix(f, ".go") {
+			// A relative path in Go is the package's folder's (a test's
+			// files, a comment's pointer to a doc).
+			for _, p := range goUpPath.FindAllString(text, -1) {
+				if leaves(dir, p) {
+					t.Errorf("%s: path %q leaves the repository", f, p)
+				}
+			}
+			continue
+		}
+		mds++
+		prose := codeSpan.ReplaceAllString(fenced.ReplaceAllString(text, ""), "")
+		var targets []string
+		for _, re := range []*regexp.Regexp{mdLink, mdRefLink, htmlLink} {
+			for _, m := range re.FindAllStringSubmatch(prose, -1) {
+				targets = append(targets, m[1])
+			}
+		}
+		for _, target := range targets {
+			if urlPattern.MatchString(target) || strings.HasPrefix(target, "#") {
+				continue
+			}
+			p, _, _ := strings.Cut(target, "#")
+			p, _, _ = strings.Cut(p, "?")
+			base := dir
+			if strings.HasPrefix(p, "/") { // GitHub's: from the repository's root
+				base, p = ".", strings.TrimLeft(p, "/")
+			}
+			if leaves(base, p) {
+				t.Errorf("%s: link %q leaves the repository", f, target)
+				continue
+			}
+			if _, err := os.Stat(filepath.Join(base, p)); err != nil {
+				t.Errorf("%s: link %q points at nothing: %v", f, target, err)
+			}
+		}
+	}
+	if mds < 2 {
+		t.Fatalf("%d Markdown files found; want the README and docs/", mds)
+	}
+}
+
+// leaves reports whether p, relative to the folder dir of the
+// repository, is outside the repository.
+func leaves(dir, p string) bool {
+	rel := filepath.Clean(filepath.Join(dir, filepath.FromSlash(p)))
+	return rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator))
 }

@@ -76,9 +76,10 @@ type Config struct {
 	// confirmation says how many that leaves out). Negative: no window.
 	// Default: [DefaultReplayWindow].
 	ReplayWindow time.Duration
-	// Token lets a person who signs in with it replay and forget. Give it
-	// from the environment or a file, never a flag (a flag is in ps).
-	// Default: none, and the console is read-only.
+	// Token lets a person who signs in with it replay, forget, and see the
+	// letters' payloads and headers (through Redact). Give it from the
+	// environment or a file, never a flag (a flag is in ps). Default: none,
+	// and the console is read-only and shows no payload or header.
 	Token string
 	// Prefix is the path the console is served under. Default:
 	// [DefaultPrefix].
@@ -90,9 +91,40 @@ type Config struct {
 	Hosts []string
 	// Limit: at most this many letters are listed, the newest. Default 500.
 	Limit int
+	// Redact is what a signed-in person sees of a dead letter's payload
+	// and headers, wherever the console shows them (a letter's page, the
+	// letters parked in a database): it may mask, hash or drop what is
+	// personal data (a name, an address, a card's last digits) and must
+	// not keep or log what it is given. It is called by concurrent
+	// requests, once per letter shown. A panic in it hides that letter's
+	// payload and headers. A person who is not signed in sees neither,
+	// redacted or not: no payload and no header leaves a console without
+	// a token. Default: none, a signed-in person sees them as they are.
+	Redact func(RedactParams) Redacted
 	// Now. Default: time.Now.
 	Now    func() time.Time
 	Logger *slog.Logger
+}
+
+// RedactParams is a dead letter as [Config.Redact] gets it. Fields may be
+// added.
+type RedactParams struct {
+	// Topic the letter's message was consumed from, and the Group that
+	// refused it: the shape of a payload is the topic's.
+	Topic, Group string
+	// DLQTopic holds the letter.
+	DLQTopic string
+	// Payload and Headers as they are on the dead-letter topic (or parked
+	// in the database): copies, which Redact may change and return.
+	Payload []byte
+	Headers map[string]string
+}
+
+// Redacted is what the console shows of a dead letter's payload and
+// headers: see [Config.Redact].
+type Redacted struct {
+	Payload []byte
+	Headers map[string]string
 }
 
 func (c *Config) setDefaults() {

@@ -23,6 +23,7 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/inbox"
+	"github.com/once-dev/once/pipeline"
 )
 
 func parsePages() (map[string]*template.Template, error) {
@@ -156,14 +157,23 @@ func (c *Console) route(dlqTopic string) (dlq.Route, bool) {
 	return dlq.Route{}, false
 }
 
-// letterView is a letter as the pages show it.
+// letterView is a letter as the pages show it. Its Entry carries no
+// payload and no headers: what a page may show of them is Pretty and
+// Headers, which view fills only for a signed-in person, redacted.
 type letterView struct {
 	dlq.Entry
 	Age, LetterAge time.Duration
 	InWindow       bool
 	Link           template.URL
-	Pretty         string // the payload, indented when it is JSON
-	HeaderKeys     []string
+	// Where the letter's message was consumed: its source partition and
+	// offset, from the library's own headers.
+	SourcePartition, SourceOffset string
+	// Shown: Pretty and Headers are the letter's, through Config.Redact.
+	// Else Hidden says why the page shows neither.
+	Shown   bool
+	Hidden  string
+	Pretty  string // the payload, indented when it is JSON
+	Headers []header
 	// Parked only: where it waits and how its publishing goes.
 	Parked    bool
 	ParkedID  int64
@@ -172,12 +182,70 @@ type letterView struct {
 	LastError string
 }
 
-func (c *Console) view(e dlq.Entry, now time.Time) letterView {
-	v := letterView{Entry: e, Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt), Pretty: pretty(e.Payload),
-		HeaderKeys: slices.Sorted(maps.Keys(e.Headers))}
+type header struct{ Key, Value string }
+
+// Why a page shows no payload and no headers.
+const (
+	hiddenNoToken  = "Payload and headers are not shown: they often carry personal data, and this console has no token (ONCE_CONSOLE_TOKEN or ONCE_CONSOLE_TOKEN_FILE) for a person to sign in with."
+	hiddenSignIn   = "Payload and headers are not shown until you sign in with the console's token (top right): they often carry personal data."
+	hiddenRedactor = "Payload and headers are not shown: the console's redaction (console.Config.Redact) failed on this letter."
+	// Pages that list letters (and a replay's report, which whoever has
+	// its link sees) show no payload: the letter's own page does.
+	notShownHere = "Payload and headers are on the letter's own page."
+)
+
+// payloadsHidden is why r's person may not see payloads and headers, or ""
+// when they may.
+func (c *Console) payloadsHidden(r *http.Request) string {
+	switch {
+	case c.cfg.Token == "":
+		return hiddenNoToken
+	case !c.signedIn(r):
+		return hiddenSignIn
+	}
+	return ""
+}
+
+// view is e as the pages show it; hidden is why its payload and headers
+// are not shown ("" to show them, through Config.Redact).
+func (c *Console) view(e dlq.Entry, now time.Time, hidden string) letterView {
+	v := letterView{Entry: e, Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt),
+		SourcePartition: e.Headers[pipeline.MetaKafkaPartition], SourceOffset: e.Headers[pipeline.MetaKafkaOffset]}
+	v.Entry.Payload, v.Entry.Headers = nil, nil
 	v.InWindow = c.cfg.ReplayWindow == 0 || v.Age <= c.cfg.ReplayWindow
 	v.Link = template.URL(url.Values{"topic": {e.DLQTopic}, "partition": {strconv.Itoa(int(e.Partition))}, "offset": {strconv.FormatInt(e.Offset, 10)}}.Encode())
+	if hidden == "" {
+		payload, headers, ok := c.redact(e)
+		if ok {
+			v.Shown, v.Pretty = true, pretty(payload)
+			for _, k := range slices.Sorted(maps.Keys(headers)) {
+				v.Headers = append(v.Headers, header{k, headers[k]})
+			}
+			return v
+		}
+		hidden = hiddenRedactor
+	}
+	v.Hidden = hidden
 	return v
+}
+
+// redact is e's payload and headers as Config.Redact lets them be shown;
+// false when it panicked, and nothing of e may be shown.
+func (c *Console) redact(e dlq.Entry) (payload []byte, headers map[string]string, ok bool) {
+	if c.cfg.Redact == nil {
+		return e.Payload, e.Headers, true
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			// The panic's value may quote the payload: only where.
+			c.cfg.Logger.Error("console: Config.Redact panicked; the letter's payload and headers are hidden",
+				"dlq", e.DLQTopic, "partition", e.Partition, "offset", e.Offset, "topic", e.Topic)
+			payload, headers, ok = nil, nil, false
+		}
+	}()
+	out := c.cfg.Redact(RedactParams{Topic: e.Topic, Group: e.Group, DLQTopic: e.DLQTopic,
+		Payload: slices.Clone(e.Payload), Headers: maps.Clone(e.Headers)})
+	return out.Payload, out.Headers, true
 }
 
 // pretty is payload for a person: indented JSON, else the text, else its
@@ -230,7 +298,7 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 	}
 	byReason := map[string]*reasonGroup{}
 	for i := len(entries) - 1; i >= 0; i-- { // the newest first
-		v := c.view(entries[i], now)
+		v := c.view(entries[i], now, notShownHere)
 		data.Letters = append(data.Letters, v)
 		reason := firstLine(v.Reason)
 		g := byReason[reason]
@@ -257,6 +325,7 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 	}
 	slices.SortFunc(data.Reasons, func(a, b reasonGroup) int { return cmp.Or(b.Count-a.Count, strings.Compare(a.Reason, b.Reason)) })
 	var perrs []error
+	hidden := c.payloadsHidden(r)
 	for _, db := range c.cfg.Databases {
 		parked, err := c.store.ListMatching(r.Context(), db.DB, c.dlqTopics(), f, c.cfg.Limit, now)
 		if err != nil {
@@ -264,7 +333,7 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		for _, p := range parked {
-			v := c.view(p.Entry(), now)
+			v := c.view(p.Entry(), now, hidden)
 			v.Parked, v.ParkedID, v.Database, v.Attempts, v.LastError = true, p.ID, db.Name, p.Attempts, p.LastError
 			data.Parked = append(data.Parked, v)
 		}
@@ -314,7 +383,7 @@ func (c *Console) letter(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusNotFound, err.Error())
 		return
 	}
-	v := c.view(e, c.cfg.Now())
+	v := c.view(e, c.cfg.Now(), c.payloadsHidden(r))
 	c.render(w, r, http.StatusOK, "letter", "Dead letter "+e.DLQTopic+"/"+strconv.Itoa(int(e.Partition))+"@"+strconv.FormatInt(e.Offset, 10), v)
 }
 
@@ -401,7 +470,7 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 			c.fail(w, r, http.StatusNotFound, err.Error())
 			return
 		}
-		v := c.view(e, now)
+		v := c.view(e, now, notShownHere)
 		d := confirmData{One: &v}
 		if v.InWindow {
 			d.InWindow = 1
@@ -424,7 +493,7 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	d := confirmData{Filter: ff}
 	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
 		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
-			d.Letters = append(d.Letters, c.view(e, now))
+			d.Letters = append(d.Letters, c.view(e, now, notShownHere))
 		}
 	}), c.cfg.Routes)
 	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
@@ -480,7 +549,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 		d.Report, e, err = dlq.ReplayLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
 			DLQTopic: rt.DLQTopic, Topic: rt.Topic, MaxAge: c.cfg.ReplayWindow, Now: c.cfg.Now}, pl.one.Partition, pl.offset)
 		if err == nil || e.DLQTopic != "" {
-			v := c.view(e, now)
+			v := c.view(e, now, notShownHere)
 			d.One = &v
 		}
 		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID,
@@ -494,7 +563,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 		d.Filter = pl.filter
 		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
 			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
-				d.Letters = append(d.Letters, c.view(e, now))
+				d.Letters = append(d.Letters, c.view(e, now, notShownHere))
 			}
 		}), c.cfg.Routes)
 		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed,

@@ -61,10 +61,6 @@ stop_services() {
 	ONCE_STARTED=""
 }
 
-# seedpeer_python makes the style guide's Python venv (pydantic, aiokafka,
-# from PyPI, once) and exports ONCE_SEEDPEER_DIR and ONCE_SEEDPEER_PYTHON for
-# the cross-language tests and the benchmark's peer. The judge's copy in
-# ../shared wins over the vendored one in dev/seedpeer.
 # browser: the console's browser test drives a headless Chromium (Debian's
 # package, installed with apt-get where it is missing).
 browser() {
@@ -73,11 +69,16 @@ browser() {
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
 }
 
+# seedpeer_python makes the style guide's Python venv (pydantic, aiokafka,
+# from PyPI, once) and exports ONCE_SEEDPEER_DIR and ONCE_SEEDPEER_PYTHON for
+# the cross-language tests and the benchmark's peer: dev/seedpeer's scripts
+# (see its README), or the style guide's own when the checkout sits beside
+# them, whose differences from dev/seedpeer are reported (comments aside).
 seedpeer_python() {
 	local dir=$ONCE_ROOT/dev/seedpeer shared=$ONCE_ROOT/../shared/bench/seedpeer f
 	if [[ -f $shared/produce.py ]]; then
 		for f in produce.py consume.py setup.sh; do
-			cmp -s "$shared/$f" "$dir/$f" || echo "seedpeer: $shared/$f differs from dev/seedpeer/$f; using the former" >&2
+			cmp -s <(grep -v '^#' "$shared/$f") <(grep -v '^#' "$dir/$f") || echo "seedpeer: $shared/$f differs from dev/seedpeer/$f; using the former" >&2
 		done
 		dir=$shared
 	fi

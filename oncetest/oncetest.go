@@ -11,6 +11,16 @@
 //	h.RequireOnce("invoice.issued.v1", oncetest.JSON("key", ev)) // rolled back, processed, then a duplicate, in every group
 //	got := oncetest.Published(t, h, "customer.billed.v1", decodeBilled)
 //
+// A handler that names its tables with their schema (as it must behind a
+// transaction pooler, which keeps no search_path) takes the schema from its
+// configuration, and the test gives it the test's own:
+//
+//	add := `UPDATE ` + pgx.Identifier{schema, "shipments"}.Sanitize() + ` SET parcels = parcels + $2 WHERE id = $1`
+//	// production: schema from the service's configuration; a test: db.Schema
+//
+// docs/using.md ("Your own tables") shows the whole pattern, with the
+// team's tables created once however many instances start together.
+//
 // What is Kafka's own (offsets, sessions, rebalances, forwarding the outbox
 // and the parked dead letters) is not run here; the library's end-to-end
 // tests cover it.
@@ -52,7 +62,9 @@ type TB interface {
 // DB is a database of one test's own: a schema made for it, dropped when
 // the test ends, that holds the library's tables and comes first in the
 // search_path of Pool's connections, so that the tables the test creates
-// without naming a schema land in it too.
+// without naming a schema land in it too. A handler that names its schema
+// (pgx.Identifier{schema, "shipments"}) is given Schema in the test, where
+// production gives it its own from its configuration.
 type DB struct {
 	Pool   *pgxpool.Pool
 	Schema string

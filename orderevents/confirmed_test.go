@@ -14,8 +14,8 @@ import (
 )
 
 // Payloads written by the style guide's own pydantic OrderConfirmedMessage
-// (model_dump_json, and json.dumps of it), recorded from
-// ../shared/bench/seedpeer's model. Each must decode.
+// (model_dump_json, and json.dumps of it), recorded from the model in
+// dev/seedpeer/produce.py. Each must decode.
 var fromPydantic = []string{
 	`{"event_id":"01a23a2f-4097-72fb-89dd-6b846b37ea60","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.983939Z","order_id":9007199254740993,"customer_id":2,"total_amount":"123.45"}`,
 	`{"event_id":"01a23a2f-4098-75d6-a202-77816c432a36","event_type":"order.confirmed.v1","occurred_at":"2026-12-03T04:35:04.984123Z","order_id":9007199254740993,"customer_id":2,"total_amount":"10"}`,

@@ -41,7 +41,7 @@ type benchCmd struct {
 	SweepEvents  int        `name:"sweep-events" default:"20000" help:"Events per run of the sweep."`
 	PeerEvents   int        `name:"peer-events" default:"10000" help:"Events the Python peer reads (it runs at a few hundred a second)."`
 	PeerPython   string     `name:"peer-python" env:"ONCE_SEEDPEER_PYTHON" help:"Python with the peer's packages. Default: the venv that the seedpeer's setup.sh makes (.dev/seedpeer-venv)."`
-	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: ../shared/bench/seedpeer, else dev/seedpeer."`
+	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: dev/seedpeer (the copy in this repository), unless the style guide's own folder lies beside the checkout."`
 	KeepTopics   bool       `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
 	Rounds       int        `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
 	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer" help:"Run only these variants of the main table (default: all)."`

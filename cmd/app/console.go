@@ -19,7 +19,7 @@ type consoleCmd struct {
 	Kafka          kafkaSettings     `embed:""`
 	DB             dbSettings        `embed:""`
 	GroupDatabases map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"The databases of groups that have one of their own, as serve takes them: their claims and parked letters are shown too."`
-	Listen         string            `name:"listen" env:"ONCE_CONSOLE_LISTEN" default:"127.0.0.1:9465" help:"Address to serve the console on, under /console; a loopback address (the console shows payloads): reach it with a port-forward."`
+	Listen         string            `name:"listen" env:"ONCE_CONSOLE_LISTEN" default:"127.0.0.1:9465" help:"Address to serve the console on, under /console; a loopback address (the console shows a signed-in person payloads): reach it with a port-forward."`
 	Console        consoleSettings   `embed:""`
 }
 
@@ -56,9 +56,9 @@ func (c *consoleCmd) Run(ctx context.Context, d deps) error {
 		return fmt.Errorf("--listen (ONCE_CONSOLE_LISTEN): %w", err)
 	}
 	srv := &http.Server{Handler: con, ReadHeaderTimeout: 5 * time.Second}
-	mode := "read-only: no token (ONCE_CONSOLE_TOKEN or --console-token-file)"
+	mode := "read-only, no payloads or headers shown: no token (ONCE_CONSOLE_TOKEN or --console-token-file)"
 	if cfg.Token != "" {
-		mode = "replay and forget after signing in with the token"
+		mode = "payloads, replay and forget after signing in with the token"
 	}
 	fmt.Fprintf(d.stderr, "console on http://%s%s (%s); Ctrl-C stops it\n", ln.Addr(), console.DefaultPrefix, mode)
 	go func() {
