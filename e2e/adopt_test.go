@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"math/rand/v2"
 	neturl "net/url"
 	"os"
@@ -11,6 +13,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,9 +23,13 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
+	"github.com/once-dev/once"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/schema"
 )
 
 // guidesPartitionedDDL is the style guide's other variant: the claim table
@@ -67,29 +74,12 @@ func fromTheGuidesConsumer(t *testing.T, name, ddl string) {
 			t.Fatal(err)
 		}
 	}
-	firstOrder := 1_000_000_000 + rand.Int64N(1<<50)
-	produce := func(n int) produced {
-		t.Helper()
-		out, err := exec.Command(python, filepath.Join(dir, "produce.py"), "--brokers", s.brokers[0], "--topic", s.topic,
-			"-n", strconv.Itoa(n), "--dup-rate", "0.25", "--first-order", strconv.FormatInt(firstOrder, 10)).Output()
-		if err != nil {
-			t.Fatalf("produce.py: %v\n%s", err, stderrOf(err))
-		}
-		firstOrder += int64(n)
-		var p produced
-		if err := json.Unmarshal(out, &p); err != nil {
-			t.Fatalf("produce.py printed %q: %v", out, err)
-		}
-		return p
-	}
+	produce := guidesProducer(t, s, python, dir)
 
 	// Before: the guide's consumer on the first part, stopping part way.
 	first := produce(scale(200))
 	expect := first.Produced * 3 / 5
-	consumeCtx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-	defer cancel()
-	if out, err := exec.CommandContext(consumeCtx, python, filepath.Join(dir, "consume.py"), "--brokers", s.brokers[0], "--topic", s.topic,
-		"--dsn", dbURL, "--group", group, "--expect", strconv.Itoa(expect)).CombinedOutput(); err != nil {
+	if out, err := guidesConsumer(t, s, python, dir, dbURL, group, expect).CombinedOutput(); err != nil {
 		t.Fatalf("consume.py: %v\n%s", err, out)
 	}
 	pyClaims := guideClaims(t, db, group)
@@ -245,6 +235,37 @@ func fromTheGuidesConsumer(t *testing.T, name, ddl string) {
 	t.Cleanup(func() { r.Pass = !t.Failed(); record(r) })
 }
 
+// guidesProducer returns a function that publishes n events with the
+// guide's Python producer, 25% of them re-published, on the scenario's
+// topic, each call with orders of its own.
+func guidesProducer(t *testing.T, s *scenario, python, dir string) func(n int) produced {
+	firstOrder := 1_000_000_000 + rand.Int64N(1<<50)
+	return func(n int) produced {
+		t.Helper()
+		out, err := exec.Command(python, filepath.Join(dir, "produce.py"), "--brokers", s.brokers[0], "--topic", s.topic,
+			"-n", strconv.Itoa(n), "--dup-rate", "0.25", "--first-order", strconv.FormatInt(firstOrder, 10)).Output()
+		if err != nil {
+			t.Fatalf("produce.py: %v\n%s", err, stderrOf(err))
+		}
+		firstOrder += int64(n)
+		var p produced
+		if err := json.Unmarshal(out, &p); err != nil {
+			t.Fatalf("produce.py printed %q: %v", out, err)
+		}
+		return p
+	}
+}
+
+// guidesConsumer is the guide's Python consumer of group on the scenario's
+// topic, claiming in seedpeer.processed_event of dbURL, until it has seen
+// expect messages; killed when the test ends.
+func guidesConsumer(t *testing.T, s *scenario, python, dir, dbURL, group string, expect int) *exec.Cmd {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	return exec.CommandContext(ctx, python, filepath.Join(dir, "consume.py"), "--brokers", s.brokers[0], "--topic", s.topic,
+		"--dsn", dbURL, "--group", group, "--expect", strconv.Itoa(expect))
+}
+
 // freshDatabase is a database of the test's own on the test cluster, as a
 // team's that never ran once: nothing of the library in it. Dropped when
 // the test ends.
@@ -360,4 +381,122 @@ func readFigures(t *testing.T, db *pgxpool.Pool, query string) figures {
 		t.Fatal(err)
 	}
 	return f
+}
+
+// 19. Side by side (issue 33), on the library's front door: the guide's
+// table is where the library's claim table is (once.Config.Tables names
+// schema seedpeer, where the guide's consumer keeps it), so once.New adopts
+// it in place. One group moves to once (its handler the Go port of the
+// guide's revenue upsert, into the same table); another keeps the guide's
+// Python consumer, which reads the whole topic while once works and keeps
+// claiming in the adopted table, writing neither hash. Every event counts
+// once per group in the one revenue table, the moving group's claims of
+// the Python side match by id, and no message is dead-lettered.
+func TestTheGuidesConsumerBesideOnce(t *testing.T) {
+	python, dir := seedpeer(t)
+	s := newScenario(t, "19 the guide's consumer beside once", 6)
+	moving, staying := s.group("seed-analytics"), s.group("seed-reports")
+	dbURL, db := freshDatabase(t)
+	ctx := context.Background()
+	produce := guidesProducer(t, s, python, dir)
+
+	first := produce(scale(150))
+	if out, err := guidesConsumer(t, s, python, dir, dbURL, moving, first.Produced).CombinedOutput(); err != nil {
+		t.Fatalf("consume.py of %s: %v\n%s", moving, err, out)
+	}
+	pyIDs := map[uuid.UUID]bool{}
+	for _, c := range guideClaims(t, db, moving) {
+		pyIDs[c.id] = true
+	}
+
+	var mu sync.Mutex
+	processed := map[uuid.UUID]int{}
+	outcomes := map[string]int{}
+	svc, err := once.New(ctx, once.Config{Brokers: s.brokers, DatabaseURL: dbURL, Tables: schema.Config{Schema: "seedpeer"},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Hooks: once.Hooks{OnResult: func(r idempotency.Result) {
+			mu.Lock()
+			defer mu.Unlock()
+			outcomes[r.Outcome.String()]++
+			if r.Outcome == idempotency.Processed {
+				processed[r.EventID]++
+			}
+		}},
+		Topics: []once.Binding{once.Topic[orderevents.Confirmed]{Name: s.topic, Decode: orderevents.DecodeConfirmed,
+			Groups: []once.Group[orderevents.Confirmed]{{Name: moving, Handle: guidesRevenueUpsert}}}}})
+	if err != nil {
+		t.Fatalf("once.New on the guide's database: %v", err)
+	}
+	oncetest.Run(t, svc)
+
+	second := produce(scale(150))
+	republished := 0
+	for _, m := range testenv.ReadTopic(t, s.brokers, s.topic) {
+		if ev, err := orderevents.DecodeConfirmed(m.Value); err == nil && pyIDs[ev.EventID()] && republished < len(pyIDs)/4+1 {
+			s.send(string(m.Key), m.Value)
+			republished++
+		}
+	}
+	all := first.Produced + second.Produced + republished
+	if out, err := guidesConsumer(t, s, python, dir, dbURL, staying, all).CombinedOutput(); err != nil {
+		t.Fatalf("consume.py of %s beside once: %v\n%s", staying, err, out)
+	}
+	waitCaughtUp(t, s, moving, 2*time.Minute)
+
+	events := map[uuid.UUID]orderevents.Confirmed{}
+	for _, m := range testenv.ReadTopic(t, s.brokers, s.topic) {
+		ev, err := orderevents.DecodeConfirmed(m.Value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		events[ev.EventID()] = ev
+	}
+	want := figures{}
+	for _, ev := range events {
+		want.add(ev) // the moving group's
+		want.add(ev) // the staying group's
+	}
+	if got := readFigures(t, db, `SELECT customer_id, day::text, revenue, order_count FROM seedpeer.revenue`); !got.equal(want) {
+		t.Errorf("revenue %v; want every event once per group %v", got, want)
+	}
+	mu.Lock()
+	for id := range events {
+		if n := processed[id]; n != 0 && (pyIDs[id] || n > 1) || n == 0 && !pyIDs[id] {
+			t.Errorf("event %s: once processed it %d times, the Python side had it %v", id, n, pyIDs[id])
+		}
+	}
+	t.Logf("once: %v", outcomes)
+	onceProcessed, onceDuplicates := outcomes["processed"], outcomes["duplicate"]
+	mu.Unlock()
+
+	var claims, stayingClaims, stayingFingerprinted int
+	var partitionedBy string
+	if err := db.QueryRow(ctx, `SELECT (SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $1),
+		(SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $2),
+		(SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $2 AND payload_sha256 IS NOT NULL),
+		(SELECT a.attname FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
+			WHERE p.partrelid = 'seedpeer.processed_event'::regclass)`, moving, staying).Scan(&claims, &stayingClaims, &stayingFingerprinted, &partitionedBy); err != nil {
+		t.Fatal(err)
+	}
+	if partitionedBy != "event_id" || claims != len(events) || stayingClaims != len(events) || stayingFingerprinted != 0 {
+		t.Errorf("the guide's table, partitioned by %q, holds %d claims of %s and %d of %s (%d with a fingerprint); want it adopted (by event_id), "+
+			"one claim per event in each group, the Python side's without a fingerprint", partitionedBy, claims, moving, stayingClaims, staying, stayingFingerprinted)
+	}
+	dead := testenv.MessageCount(t, s.brokers, s.dlq)
+	if dead != 0 {
+		t.Errorf("%d messages dead-lettered; want none", dead)
+	}
+	r := result{Scenario: "19 the guide's consumer beside once", Events: len(events), Deliveries: onceProcessed + onceDuplicates,
+		Duplicates: onceDuplicates, Lost: 2*len(events) - claims - stayingClaims}
+	t.Cleanup(func() { r.Pass = !t.Failed(); record(r) })
+}
+
+// guidesRevenueUpsert is the guide's consumer's business write (consume.py),
+// ported to a once handler: the team's own table, in the claim's
+// transaction.
+func guidesRevenueUpsert(ctx context.Context, tx pgx.Tx, ev orderevents.Confirmed) error {
+	_, err := tx.Exec(ctx, `INSERT INTO seedpeer.revenue AS r VALUES ($1, $2::date, $3::numeric, 1) ON CONFLICT (customer_id, day)
+DO UPDATE SET revenue = r.revenue + EXCLUDED.revenue, order_count = r.order_count + 1`,
+		ev.CustomerID(), ev.OccurredAt().UTC().Format(time.DateOnly), ev.TotalAmount().String())
+	return err
 }
