@@ -399,7 +399,8 @@ func checkColumns(ctx context.Context, row rowReader, claims Table, want map[str
 			"a key with processed_at in it, as the style guide's partitioned DDL has, lets two deliveries of one event both claim it", key))
 	}
 	if len(problems) > 0 {
-		return fmt.Errorf("schema: %s exists with another shape: %v", claims, problems)
+		return fmt.Errorf("schema: %s exists with another shape: %v; migrate the database (schema.Migrate, app migrate): "+
+			"its first migration adopts a claim table that exists, the style guide's too, and says what it cannot adopt", claims, problems)
 	}
 	return nil
 }
@@ -445,13 +446,16 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 		FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
 		WHERE p.partrelid = to_regclass($1) AND p.partnatts = 1`, claims.Qualified).Scan(&strategy, &column, &hasDefault)
 		if noRows(err) || (err == nil && (strategy != "r" || column != "event_id")) {
-			return fmt.Errorf("schema: %s is not range-partitioned by event_id alone (got %q on %q): retention depends on it", claims, strategy, column)
+			return fmt.Errorf("schema: %s is not range-partitioned by event_id alone (got %q on %q): retention depends on it; "+
+				"migrate the database (schema.Migrate, app migrate), whose first migration adopts a claim table that exists, the style guide's too",
+				claims, strategy, column)
 		}
 		if err != nil {
 			return fmt.Errorf("schema: check %s: %w", claims, err)
 		}
 		if !hasDefault {
-			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail", claims)
+			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail (CREATE TABLE %s PARTITION OF %s DEFAULT)",
+				claims, cfg.ClaimsDefault().Qualified, claims.Qualified)
 		}
 		// Every migration applied, where this role may read the versions;
 		// where it may not, the newest migration's column below says.
