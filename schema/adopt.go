@@ -261,18 +261,18 @@ WHERE c.oid = to_regclass($1) AND a.grantee IS DISTINCT FROM (SELECT oid FROM pg
 
 var privilege = regexp.MustCompile(`^[A-Z ]+$`)
 
-// grantStatements give the roles that can use the guide's table (from) the
-// same privileges on the library's (to, which is made later under the same
-// name): the guide's consumers of the groups not moved yet keep claiming
-// there, whoever owned the table.
-func grantStatements(ctx context.Context, row rowReader, from, to string) ([]string, error) {
+// grantStatements give the roles that can use the guide's table the same
+// privileges on the library's, made afterwards under the same name: the
+// guide's consumers of the groups not moved yet keep claiming there,
+// whoever owned the table.
+func grantStatements(ctx context.Context, row rowReader, table string) ([]string, error) {
 	var list string
-	if err := row(ctx, privilegesSQL, from).Scan(&list); err != nil {
-		return nil, fmt.Errorf("schema: read the privileges on %s: %w", from, err)
+	if err := row(ctx, privilegesSQL, table).Scan(&list); err != nil {
+		return nil, fmt.Errorf("schema: read the privileges on %s: %w", table, err)
 	}
 	var grants [][2]string
 	if err := json.Unmarshal([]byte(list), &grants); err != nil {
-		return nil, fmt.Errorf("schema: read the privileges on %s: %w", from, err)
+		return nil, fmt.Errorf("schema: read the privileges on %s: %w", table, err)
 	}
 	var stmts []string
 	for _, g := range grants {
@@ -285,7 +285,7 @@ func grantStatements(ctx context.Context, row rowReader, from, to string) ([]str
 		if g[1] != "" {
 			grantee = pgx.Identifier{g[1]}.Sanitize()
 		}
-		stmts = append(stmts, "GRANT "+g[0]+" ON "+to+" TO "+grantee)
+		stmts = append(stmts, "GRANT "+g[0]+" ON "+table+" TO "+grantee)
 	}
 	return stmts, nil
 }
@@ -377,7 +377,7 @@ func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, c
 	}
 	// Read before the renames (a table's privileges go with it): the
 	// roles that could use the guide's table get the same on the new one.
-	grants, err := grantStatements(ctx, tx, t.Qualified, t.Qualified)
+	grants, err := grantStatements(ctx, tx, t.Qualified)
 	if err != nil {
 		return nil, false, err
 	}
