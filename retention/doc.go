@@ -17,4 +17,11 @@
 //
 // Claims older than the retention may be gone, so consumers must bound the age
 // of what they accept; see idempotency.Config.MaxEventAge.
+//
+// A claim without a fingerprint (adopted from the style guide's table, or made
+// by the guide's consumer, which keeps claiming there for the groups not moved
+// yet) comes from a consumer that bounded no age: it expires by its
+// processed_at instead, as the guide's retention had it, and an expired day's
+// partition holding one processed within the retention is kept until it aged
+// out ([Report].Kept).
 package retention

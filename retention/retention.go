@@ -123,6 +123,10 @@ type Report struct {
 	// Skipped days whose range already has claims in the default partition:
 	// their partition cannot be created; the rows age out by deletion.
 	Skipped []string
+	// Kept expired days whose partition holds claims without a fingerprint
+	// processed within the retention (see deleteByProcessedAtSQL): it is
+	// dropped once they aged out.
+	Kept []string
 	// LockWaits counts DDL statements that gave way to claims (their lock
 	// was busy for the lock timeout) and were tried again.
 	LockWaits int
@@ -150,8 +154,22 @@ RETURNING holder`
 	releaseLeaseSQL = `UPDATE %s SET until = now() WHERE name = $1 AND holder = $2`
 	// %s: the default partition's qualified name.
 	defaultHasRowsSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE event_id >= $1 AND event_id < $2)`
-	deleteBatchSQL    = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
-SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 LIMIT $2)`
+	// The library's own claims expire with their event's id: the dedup
+	// horizon refuses an event older than the retention, so its claim is
+	// not needed past it.
+	deleteBatchSQL = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
+SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 AND payload_sha256 IS NOT NULL LIMIT $2)`
+	// A claim without a fingerprint (adopted from the style guide's table,
+	// or made by the guide's consumer, which may keep claiming in the
+	// adopted table) expires with its processed_at, as the guide's
+	// retention had it: that consumer checks no horizon, so it may have
+	// processed an event long after its id's time, and its redeliveries
+	// are held off for the retention from then. $1: the cutoff.
+	deleteByProcessedAtSQL = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
+SELECT event_id, consumer_group FROM %[1]s WHERE payload_sha256 IS NULL AND processed_at < $1 LIMIT $2)`
+	// For the same reason an expired day's partition is kept while such a
+	// claim in it was processed within the retention. %s: the partition.
+	recentWithoutFingerprintSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE payload_sha256 IS NULL AND processed_at >= $1)`
 )
 
 // errLeaseLost stops a pass whose lease another instance took (it outlived
@@ -281,8 +299,9 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	if err := deleteExpired(ctx, ddl, n, cutoff, cfg.BatchSize, &rep); err != nil {
 		return rep, err
 	}
-	if len(rep.Created)+len(rep.Dropped) > 0 || rep.Deleted > 0 {
-		cfg.Logger.Info("retention pass", "mode", cfg.Mode, "created", rep.Created, "dropped", rep.Dropped, "deleted", rep.Deleted, "skipped", rep.Skipped)
+	if len(rep.Created)+len(rep.Dropped)+len(rep.Kept) > 0 || rep.Deleted > 0 {
+		cfg.Logger.Info("retention pass", "mode", cfg.Mode, "created", rep.Created, "dropped", rep.Dropped, "deleted", rep.Deleted,
+			"skipped", rep.Skipped, "kept", rep.Kept)
 	}
 	return rep, nil
 }
@@ -418,6 +437,16 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 		}
 		qualified := pgx.Identifier{n.schema, name}.Sanitize()
 		if attached {
+			var recent bool
+			if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error {
+				return tx.QueryRow(ctx, fmt.Sprintf(recentWithoutFingerprintSQL, qualified), cutoff).Scan(&recent)
+			}); err != nil {
+				return fmt.Errorf("retention: look for recent claims without a fingerprint in %s: %w", name, err)
+			}
+			if recent {
+				rep.Kept = append(rep.Kept, name)
+				continue
+			}
 			if err := ddl.exec(ctx, "detach "+name, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
 				return err
 			}
@@ -428,6 +457,7 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 		rep.Dropped = append(rep.Dropped, name)
 	}
 	slices.Sort(rep.Dropped)
+	slices.Sort(rep.Kept)
 	return nil
 }
 
@@ -475,9 +505,18 @@ func createAhead(ctx context.Context, ddl ddlRunner, n names, now time.Time, day
 	return nil
 }
 
+// deleteExpired deletes the expired claims of the default partition in
+// batches: those without a fingerprint by their processed_at first (months
+// of them, adopted, would otherwise be walked past by every batch of the
+// second), then the library's own by their event's id.
 func deleteExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, batch int, rep *Report) error {
-	bound := pgtype.UUID{Bytes: FirstIDAt(cutoff), Valid: true}
-	q := fmt.Sprintf(deleteBatchSQL, n.defaultPart)
+	if err := deleteBatches(ctx, ddl, fmt.Sprintf(deleteByProcessedAtSQL, n.defaultPart), cutoff, batch, rep); err != nil {
+		return err
+	}
+	return deleteBatches(ctx, ddl, fmt.Sprintf(deleteBatchSQL, n.defaultPart), pgtype.UUID{Bytes: FirstIDAt(cutoff), Valid: true}, batch, rep)
+}
+
+func deleteBatches(ctx context.Context, ddl ddlRunner, q string, bound any, batch int, rep *Report) error {
 	for {
 		if err := ddl.lease.renew(ctx); err != nil {
 			return err

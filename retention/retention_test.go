@@ -445,3 +445,78 @@ func namedClaimTable(t *testing.T, pool *pgxpool.Pool) schema.Config {
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+names.Schema+" CASCADE") })
 	return names
 }
+
+// A claim without a fingerprint (adopted from the style guide's table, or
+// made by the guide's consumer, which checked no horizon) ages out by its
+// processed_at, as the guide's retention had it, not by its event's id:
+// one processed long after its event's time stays its retention from then,
+// one whose id says nothing of time (not a UUIDv7) still goes, and an
+// expired day's partition holding one processed within the retention is
+// kept until it aged out. The library's own claims still go by their id.
+func TestClaimsWithoutAFingerprintAgeOutByProcessedAt(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := namedClaimTable(t, pool)
+	const keep = 7 * 24 * time.Hour
+	now := at("2025-07-01T12:00:00Z")
+	cfg := retention.Config{DB: pool, Tables: names, Retention: keep, Now: func() time.Time { return now }}
+	if rep := run(t, cfg); fmt.Sprint(rep.Created) != "[claims_p20250701 claims_p20250702 claims_p20250703]" {
+		t.Fatalf("created %v", rep.Created)
+	}
+	noTime := uuid.New()
+	noTime[0] = 0xf0 // a random id whose "time" lies centuries ahead
+	claims := []struct {
+		name        string
+		id          uuid.UUID
+		fingerprint []byte
+		processedAt string
+	}{
+		{"late", v7At(at("2025-06-15T10:00:00Z")), nil, "2025-08-09T00:00:00Z"},
+		{"expired", v7At(at("2025-06-15T11:00:00Z")), nil, "2025-07-20T00:00:00Z"},
+		{"not a v7", noTime, nil, "2025-07-20T00:00:00Z"},
+		{"ours", v7At(at("2025-06-15T12:00:00Z")), []byte{1}, "2025-08-09T00:00:00Z"},
+		{"late, in a day's partition", v7At(at("2025-07-01T10:00:00Z")), nil, "2025-08-05T00:00:00Z"},
+		{"ours, in a day's partition", v7At(at("2025-07-02T10:00:00Z")), []byte{1}, "2025-07-02T10:00:00Z"},
+	}
+	for _, c := range claims {
+		if _, err := pool.Exec(ctx, `INSERT INTO `+names.Claims().Qualified+` (event_id, consumer_group, payload_sha256, processed_at) VALUES ($1, 'g', $2, $3)`,
+			c.id, c.fingerprint, at(c.processedAt)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	left := func() string {
+		t.Helper()
+		var out []string
+		for _, c := range claims {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+names.Claims().Qualified+` WHERE event_id = $1`, c.id).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n > 0 {
+				out = append(out, c.name)
+			}
+		}
+		return strings.Join(out, ", ")
+	}
+
+	now = at("2025-08-10T12:00:00Z")
+	rep := run(t, cfg)
+	if got := left(); got != "late, late, in a day's partition" {
+		t.Errorf("on 08-10 the claims left are [%s]; want the two processed within the retention", got)
+	}
+	if fmt.Sprint(rep.Kept) != "[claims_p20250701]" || fmt.Sprint(rep.Dropped) != "[claims_p20250702 claims_p20250703]" {
+		t.Errorf("on 08-10 kept %v and dropped %v; want 07-01 kept for its recent claim, 07-02 and 07-03 dropped", rep.Kept, rep.Dropped)
+	}
+	now = at("2025-08-12T12:00:01Z")
+	if rep := run(t, cfg); fmt.Sprint(rep.Dropped) != "[claims_p20250701]" || len(rep.Kept) != 0 {
+		t.Errorf("on 08-12, past its claim's retention: dropped %v, kept %v; want 07-01 dropped", rep.Dropped, rep.Kept)
+	}
+	if got := left(); got != "late" {
+		t.Errorf("on 08-12 the claims left are [%s]; want the one processed on 08-09", got)
+	}
+	now = at("2025-08-16T00:00:01Z")
+	run(t, cfg)
+	if got := left(); got != "" {
+		t.Errorf("on 08-16 the claims left are [%s]; want none", got)
+	}
+}

@@ -26,6 +26,16 @@ import (
 // Migrate applies every pending migration of the library to db and returns
 // the versions it applied, then checks the claim table's shape.
 //
+// A claim table that exists where cfg names it before the first migration
+// is adopted with its claims: the style guide's processed_event (plain, or
+// partitioned by processed_at) or the library's own of an early release.
+// A plain one keyed by (event_id, consumer_group) becomes the default
+// partition in place; any other is renamed to ClaimTable + "_guide", kept,
+// and its claims copied. Adopted claims have no fingerprint (they match by
+// event id) and keep their processed_at, by which retention ages them out;
+// the roles that could use the table may use the new one. A table it cannot
+// adopt is refused with the SQL that fixes it. See also [AdoptClaims].
+//
 // It asks first: when nothing is pending it changes nothing and needs no
 // privilege beyond reading the catalog, so that a service running under a
 // least-privilege role starts after its tables' owner migrated. Instances
@@ -159,10 +169,13 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		// force processed_at into the key, and two deliveries at two moments
 		// would both insert. A UUIDv7 starts with its millisecond timestamp,
 		// so a day is a range of ids, and the key stays (event_id,
-		// consumer_group). Databases of the reference service created the
-		// same table before the library had a schema of its own: it is
-		// adopted, and a plain one of the right shape becomes the default
-		// partition without a row copied.
+		// consumer_group). A claim table that exists already is adopted
+		// (adopt.go): the reference service's own of before the library had
+		// a schema, or the style guide's, whose claims must keep a
+		// redelivery from running again. A plain one keyed by (event_id,
+		// consumer_group) becomes the default partition without a row
+		// copied; another (the guide's partitioned by processed_at) is kept
+		// as ClaimTable + "_guide" and its claims are copied.
 		goose.NewGoMigration(1, &goose.GoFunc{RunTx: func(ctx context.Context, tx *sql.Tx) error {
 			return createClaimTable(ctx, tx, cfg)
 		}}, nil),
@@ -221,6 +234,12 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 		// kept, growing from there (see CoveredRetention). NULL: all of
 		// the retention.
 		up(8, `ALTER TABLE `+cfg.RetentionPolicy().Qualified+` ADD COLUMN IF NOT EXISTS covered_seconds bigint`),
+		// 9: a claim without a fingerprint: adopted from the style guide's
+		// table by migration 1 or AdoptClaims, or made by the guide's own
+		// consumer, which keeps claiming in the adopted table for the groups
+		// not moved yet and writes neither hash. It matches by its id, and
+		// ages out by its processed_at (package retention).
+		up(9, `ALTER TABLE `+cfg.Claims().Qualified+` ALTER COLUMN payload_sha256 DROP NOT NULL`),
 	}, nil
 }
 
@@ -267,23 +286,35 @@ func up(version int64, statements ...string) *goose.Migration {
 	}}, nil)
 }
 
-// createClaimTable creates the claim table, or adopts the one that exists.
+// createClaimTable creates the claim table, or adopts the one that exists
+// (see adopt.go): the library's own plain table of a first release, or the
+// style guide's, plain or partitioned by processed_at.
 func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
 	claims := cfg.Claims().Qualified
 	defaultName := cfg.ClaimTable + "_default"
 	defaultPart := cfg.ClaimsDefault().Qualified
-	var exists, partitioned bool
-	if err := tx.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL,
-		EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1))`, claims).Scan(&exists, &partitioned); err != nil {
+	exec := func(st string) error {
+		if _, err := tx.ExecContext(ctx, st); err != nil {
+			return fmt.Errorf("%.80s...: %w", st, err)
+		}
+		return nil
+	}
+	shape, exists, err := readShape(ctx, sqlRows(tx), claims)
+	if err != nil {
 		return err
 	}
-	var stmts []string
-	if exists && !partitioned {
-		// A plain claim table (the reference service's first migration):
-		// it becomes the default partition of a new partitioned table.
-		if err := checkColumns(ctx, sqlRows(tx), cfg.Claims(), claimColumns); err != nil {
+	var after []string
+	inPlace := false
+	if exists {
+		if after, inPlace, err = adoptExisting(ctx, sqlRows(tx), exec, cfg, shape); err != nil {
 			return err
 		}
+	}
+	var stmts []string
+	if inPlace {
+		// A plain claim table (the reference service's first migration,
+		// or the style guide's): it becomes the default partition of a
+		// new partitioned table.
 		stmts = append(stmts,
 			`ALTER TABLE `+claims+` RENAME TO `+pgx.Identifier{defaultName}.Sanitize(),
 			`ALTER INDEX IF EXISTS `+pgx.Identifier{cfg.Schema, cfg.ClaimTable + "_pkey"}.Sanitize()+` RENAME TO `+pgx.Identifier{defaultName + "_pkey"}.Sanitize(),
@@ -296,21 +327,22 @@ func createClaimTable(ctx context.Context, tx *sql.Tx, cfg Config) error {
     consumer_group text        NOT NULL,
     -- SHA-256 of the payload's bytes first claimed (migration 7 adds
     -- values_sha256, of its values): the same id with other values is a
-    -- producer bug, not a duplicate.
-    payload_sha256 bytea       NOT NULL,
+    -- producer bug, not a duplicate. NULL in a claim made without one (the
+    -- style guide's consumer, or adopted from its table): it matches by id.
+    payload_sha256 bytea,
     processed_at   timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (event_id, consumer_group)
 ) PARTITION BY RANGE (event_id)`,
 		`CREATE INDEX IF NOT EXISTS `+pgx.Identifier{cfg.ClaimTable + "_processed_at_idx"}.Sanitize()+` ON `+claims+` (processed_at)`,
 	)
-	if exists && !partitioned {
+	if inPlace {
 		stmts = append(stmts, `ALTER TABLE `+claims+` ATTACH PARTITION `+defaultPart+` DEFAULT`)
 	} else {
 		stmts = append(stmts, `CREATE TABLE IF NOT EXISTS `+defaultPart+` PARTITION OF `+claims+` DEFAULT`)
 	}
-	for _, st := range stmts {
-		if _, err := tx.ExecContext(ctx, st); err != nil {
-			return fmt.Errorf("%.80s...: %w", st, err)
+	for _, st := range append(stmts, after...) {
+		if err := exec(st); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -367,7 +399,8 @@ func checkColumns(ctx context.Context, row rowReader, claims Table, want map[str
 			"a key with processed_at in it, as the style guide's partitioned DDL has, lets two deliveries of one event both claim it", key))
 	}
 	if len(problems) > 0 {
-		return fmt.Errorf("schema: %s exists with another shape: %v", claims, problems)
+		return fmt.Errorf("schema: %s exists with another shape: %v; migrate the database (schema.Migrate, app migrate): "+
+			"its first migration adopts a claim table that exists, the style guide's too, and says what it cannot adopt", claims, problems)
 	}
 	return nil
 }
@@ -413,13 +446,16 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 		FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
 		WHERE p.partrelid = to_regclass($1) AND p.partnatts = 1`, claims.Qualified).Scan(&strategy, &column, &hasDefault)
 		if noRows(err) || (err == nil && (strategy != "r" || column != "event_id")) {
-			return fmt.Errorf("schema: %s is not range-partitioned by event_id alone (got %q on %q): retention depends on it", claims, strategy, column)
+			return fmt.Errorf("schema: %s is not range-partitioned by event_id alone (got %q on %q): retention depends on it; "+
+				"migrate the database (schema.Migrate, app migrate), whose first migration adopts a claim table that exists, the style guide's too",
+				claims, strategy, column)
 		}
 		if err != nil {
 			return fmt.Errorf("schema: check %s: %w", claims, err)
 		}
 		if !hasDefault {
-			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail", claims)
+			return fmt.Errorf("schema: %s has no default partition: claims outside its daily partitions would fail (CREATE TABLE %s PARTITION OF %s DEFAULT)",
+				claims, cfg.ClaimsDefault().Qualified, claims.Qualified)
 		}
 		// Every migration applied, where this role may read the versions;
 		// where it may not, the newest migration's column below says.

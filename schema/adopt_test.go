@@ -1,0 +1,350 @@
+package schema_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/schema"
+)
+
+// newRole is a role of the test's own (roles belong to the cluster),
+// dropped with what it owns when the test ends.
+func newRole(t *testing.T, pool *pgxpool.Pool, name string) string {
+	t.Helper()
+	role := "schema_test_" + name + "_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, "CREATE ROLE "+role+" NOLOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, "DROP OWNED BY "+role)
+		_, _ = pool.Exec(ctx, "DROP ROLE "+role)
+	})
+	return role
+}
+
+func execAll(t *testing.T, pool *pgxpool.Pool, stmts ...string) {
+	t.Helper()
+	for _, st := range stmts {
+		if _, err := pool.Exec(context.Background(), st); err != nil {
+			t.Fatalf("%s: %v", st, err)
+		}
+	}
+}
+
+// guideClaim is the style guide's consumer's claim (consume.py's statement,
+// in schema s): whether it inserted.
+func guideClaim(t *testing.T, pool *pgxpool.Pool, s string, id uuid.UUID, group string) bool {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(), `INSERT INTO `+s+`.processed_event (event_id, consumer_group) VALUES ($1, $2) ON CONFLICT DO NOTHING`, id, group)
+	if err != nil {
+		t.Fatalf("the guide's claim of %s: %v", id, err)
+	}
+	return tag.RowsAffected() == 1
+}
+
+// deliver runs one delivery of id through the library's claim in group,
+// with the claim table cfg names, and returns its outcome.
+func deliver(t *testing.T, pool *pgxpool.Pool, cfg schema.Config, group string, id uuid.UUID, runs *atomic.Int64) idempotency.Outcome {
+	t.Helper()
+	var out idempotency.Outcome
+	m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: group, Schema: cfg.Schema, Table: cfg.ClaimTable,
+		OnResult: func(r idempotency.Result) { out = r.Outcome }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(uuid.NewString(), []byte(`{"event_id":"`+id.String()+`","amount":"1.00"}`))
+	msg.SetContext(context.Background())
+	if _, err := m.Middleware(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })(msg); err != nil {
+		t.Fatalf("delivery of %s: %v", id, err)
+	}
+	return out
+}
+
+func processedAt(t *testing.T, pool *pgxpool.Pool, table string, id uuid.UUID) time.Time {
+	t.Helper()
+	var at time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT processed_at FROM `+table+` WHERE event_id = $1`, id).Scan(&at); err != nil {
+		t.Fatalf("the claim of %s in %s: %v", id, table, err)
+	}
+	return at
+}
+
+// The issue's database: the style guide's plain table, exactly as its DDL
+// has it (processed_at nullable), owned by the guide's consumer's role,
+// with months of claims. Migrate adopts it in place: every claim stays, with
+// its processed_at (one without gets now(): kept one retention from here),
+// without a fingerprint, in the default partition; a redelivery through the
+// library's claim is a duplicate; and the guide's consumer, under its own
+// role, keeps claiming in the adopted table. Before, Migrate refused it
+// ("exists with another shape ... payload_sha256").
+func TestTheGuidesPlainTableIsAdoptedInPlace(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	s := cfg.Schema
+	guide := newRole(t, pool, "guide")
+	execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE ON SCHEMA `+s+` TO `+guide,
+		`CREATE TABLE `+s+`.processed_event (event_id uuid, consumer_group text, processed_at timestamptz DEFAULT now(),
+			PRIMARY KEY (event_id, consumer_group))`,
+		`CREATE INDEX ix_processed_at ON `+s+`.processed_event (processed_at)`,
+		`ALTER TABLE `+s+`.processed_event OWNER TO `+guide)
+	old, undated := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	execAll(t, pool, `INSERT INTO `+s+`.processed_event VALUES ('`+old.String()+`', 'seed-analytics', now() - interval '3 days'),
+		('`+undated.String()+`', 'seed-analytics', NULL)`)
+	before := processedAt(t, pool, s+".processed_event", old)
+
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatalf("migrate a database holding the guide's table: %v", err)
+	}
+	if err := schema.Check(ctx, pool, cfg); err != nil {
+		t.Fatalf("check after the adoption: %v", err)
+	}
+	rows, err := pool.Query(ctx, `SELECT event_id, tableoid::regclass::text, processed_at, payload_sha256 IS NULL AND values_sha256 IS NULL
+		FROM `+s+`.processed_event`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type claim struct {
+		id            uuid.UUID
+		part          string
+		at            time.Time
+		noFingerprint bool
+	}
+	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (c claim, err error) {
+		return c, r.Scan(&c.id, &c.part, &c.at, &c.noFingerprint)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 {
+		t.Fatalf("%d claims after the adoption, want the 2 of the guide's table", len(got))
+	}
+	for _, c := range got {
+		if c.part != s+".processed_event_default" || !c.noFingerprint {
+			t.Errorf("claim %s: in %s, without a fingerprint %v; want the default partition and none", c.id, c.part, c.noFingerprint)
+		}
+		switch c.id {
+		case old:
+			if !c.at.Equal(before) {
+				t.Errorf("the claim's processed_at is %s, was %s: retention must count from when it was processed", c.at, before)
+			}
+		case undated:
+			if time.Since(c.at) > time.Minute {
+				t.Errorf("the claim without processed_at got %s, want now", c.at)
+			}
+		}
+	}
+
+	var runs atomic.Int64
+	if out := deliver(t, pool, cfg, "seed-analytics", old, &runs); out != idempotency.Duplicate || runs.Load() != 0 {
+		t.Fatalf("a redelivery of an adopted claim's event: %v, handler ran %d times; want a duplicate", out, runs.Load())
+	}
+	asGuide := testenv.PoolAs(t, pool, guide)
+	if guideClaim(t, asGuide, s, undated, "seed-analytics") {
+		t.Error("the guide's consumer claimed an adopted claim's event again")
+	}
+	fresh := uuid.Must(uuid.NewV7())
+	if !guideClaim(t, asGuide, s, fresh, "seed-analytics") {
+		t.Error("the guide's consumer could not claim a new event in the adopted table")
+	}
+	if out := deliver(t, pool, cfg, "seed-analytics", fresh, &runs); out != idempotency.Duplicate {
+		t.Errorf("the library's claim of an event the guide's consumer claimed beside it: %v, want a duplicate", out)
+	}
+}
+
+// The guide's variant partitioned by processed_at, with the trap sprung (one
+// event claimed at two moments), partitions named as the library names its
+// own, and an index named as the library's: Migrate keeps the table as
+// processed_event_guide and claims each event once in the new table, with
+// its latest processed_at; the guide's consumer's next claim of it then
+// conflicts. Before, Migrate refused it.
+func TestTheGuidesPartitionedTableIsAdoptedByCopy(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	s := cfg.Schema
+	guide := newRole(t, pool, "guide")
+	execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE ON SCHEMA `+s+` TO `+guide,
+		`CREATE TABLE `+s+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+			PRIMARY KEY (event_id, consumer_group, processed_at)) PARTITION BY RANGE (processed_at)`,
+		`CREATE TABLE `+s+`.processed_event_recent PARTITION OF `+s+`.processed_event FOR VALUES FROM (now() - interval '40 days') TO (now() + interval '40 days')`,
+		`CREATE TABLE `+s+`.processed_event_default PARTITION OF `+s+`.processed_event DEFAULT`,
+		`CREATE INDEX processed_event_processed_at_idx ON `+s+`.processed_event (processed_at)`,
+		`GRANT SELECT, INSERT ON `+s+`.processed_event TO `+guide)
+	twice, once, ancient := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	execAll(t, pool, `INSERT INTO `+s+`.processed_event VALUES
+		('`+twice.String()+`', 'g', now() - interval '2 days'), ('`+twice.String()+`', 'g', now() - interval '1 day'),
+		('`+once.String()+`', 'g', now() - interval '5 days'), ('`+ancient.String()+`', 'g', '2020-01-01T00:00:00Z')`)
+	var latest time.Time
+	if err := pool.QueryRow(ctx, `SELECT max(processed_at) FROM `+s+`.processed_event WHERE event_id = $1`, twice).Scan(&latest); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatalf("migrate a database holding the guide's partitioned table: %v", err)
+	}
+	if err := schema.Check(ctx, pool, cfg); err != nil {
+		t.Fatalf("check after the adoption: %v", err)
+	}
+	var n, kept, renamedDefault int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+s+`.processed_event), (SELECT count(*) FROM `+s+`.processed_event_guide),
+		(SELECT count(*) FROM `+s+`.processed_event_guide_default)`).Scan(&n, &kept, &renamedDefault); err != nil {
+		t.Fatal(err)
+	}
+	if n != 3 || kept != 4 || renamedDefault != 1 {
+		t.Fatalf("%d claims in the new table, %d kept in processed_event_guide, %d in its renamed default partition; want 3, 4 and 1", n, kept, renamedDefault)
+	}
+	if at := processedAt(t, pool, s+".processed_event", twice); !at.Equal(latest) {
+		t.Errorf("the event claimed twice has processed_at %s, want its latest claim's %s", at, latest)
+	}
+	if at := processedAt(t, pool, s+".processed_event", ancient); !at.Equal(time.Date(2020, 1, 1, 0, 0, 0, 0, time.UTC)) {
+		t.Errorf("the oldest claim has processed_at %s, want its own", at)
+	}
+	asGuide := testenv.PoolAs(t, pool, guide)
+	if guideClaim(t, asGuide, s, twice, "g") {
+		t.Error("the guide's consumer claimed an adopted event again: the trap is still there")
+	}
+	var runs atomic.Int64
+	if out := deliver(t, pool, cfg, "g", once, &runs); out != idempotency.Duplicate || runs.Load() != 0 {
+		t.Fatalf("a redelivery of an adopted claim's event: %v, handler ran %d times; want a duplicate", out, runs.Load())
+	}
+}
+
+// A table that is no claim table of the guide's shape is refused with its
+// name, what is wrong, and the SQL that fixes it; run, the SQL fixes it.
+func TestAClaimTableThatCannotBeAdoptedIsRefusedWithTheFix(t *testing.T) {
+	for _, tc := range []struct {
+		name, ddl, columns, values, wrong, placeholder, value string
+	}{
+		{"event_id text", `(event_id text PRIMARY KEY, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now())`,
+			"event_id, consumer_group", ", 'g'", "event_id is text, want uuid", "", ""},
+		{"no consumer_group", `(event_id uuid PRIMARY KEY, processed_at timestamptz NOT NULL DEFAULT now())`,
+			"event_id", "", "no column consumer_group", "<the consumer group whose claims these are>", "billing"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testenv.Postgres(t)
+			ctx := context.Background()
+			cfg := schema.Config{Schema: freshSchema(t, pool)}
+			id := uuid.Must(uuid.NewV7())
+			execAll(t, pool, `CREATE SCHEMA `+cfg.Schema, `CREATE TABLE `+cfg.Schema+`.processed_event `+tc.ddl,
+				`INSERT INTO `+cfg.Schema+`.processed_event (`+tc.columns+`) VALUES ('`+id.String()+`'`+tc.values+`)`)
+			_, err := schema.Migrate(ctx, pool, cfg)
+			const fixFollows = "migrate again (app migrate): "
+			if err == nil || !strings.Contains(err.Error(), cfg.Schema+".processed_event") || !strings.Contains(err.Error(), tc.wrong) ||
+				!strings.Contains(err.Error(), fixFollows) {
+				t.Fatalf("got %v; want a refusal naming the table, %q and the fix", err, tc.wrong)
+			}
+			fix := err.Error()[strings.Index(err.Error(), fixFollows)+len(fixFollows):]
+			for _, st := range strings.Split(strings.ReplaceAll(fix, tc.placeholder, tc.value), "; ") {
+				execAll(t, pool, st)
+			}
+			if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+				t.Fatalf("after the refusal's fix (%s): %v", fix, err)
+			}
+			if at := processedAt(t, pool, cfg.Claims().Qualified, id); at.IsZero() {
+				t.Fatal("the claim is gone")
+			}
+		})
+	}
+}
+
+// The migrating role must own the guide's table to adopt it: the refusal
+// says whose it is and the statement that hands it over; after it, the
+// migration goes through.
+func TestAdoptingAnotherRolesTableSaysHow(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	s := cfg.Schema
+	guide, migrator := newRole(t, pool, "guide"), newRole(t, pool, "migrator")
+	execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE, CREATE ON SCHEMA `+s+` TO `+migrator,
+		`CREATE TABLE `+s+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+			PRIMARY KEY (event_id, consumer_group))`,
+		`ALTER TABLE `+s+`.processed_event OWNER TO `+guide)
+	asMigrator := testenv.PoolAs(t, pool, migrator)
+	_, err := schema.Migrate(ctx, asMigrator, cfg)
+	if err == nil || !strings.Contains(err.Error(), "needs its owner (role "+guide+")") || !strings.Contains(err.Error(), "OWNER TO") {
+		t.Fatalf("got %v; want a refusal naming the owner and the statement that hands the table over", err)
+	}
+	execAll(t, pool, `ALTER TABLE `+s+`.processed_event OWNER TO `+migrator)
+	if _, err := schema.Migrate(ctx, asMigrator, cfg); err != nil {
+		t.Fatalf("after handing the table over: %v", err)
+	}
+}
+
+// The guide's table stays where it is, apart from the library's (its
+// consumers keep claiming there for the groups not moved yet): AdoptClaims
+// copies its claims, each once with its latest processed_at and no
+// fingerprint, leaves a claim the library's table has alone, and copies
+// only what was claimed since when run again. Sources it cannot take are
+// refused by name.
+func TestAdoptClaimsFromTheGuidesTableApart(t *testing.T) {
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	guide := freshSchema(t, pool)
+	execAll(t, pool, `CREATE SCHEMA `+guide,
+		`CREATE TABLE `+guide+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+			PRIMARY KEY (event_id, consumer_group, processed_at)) PARTITION BY RANGE (processed_at)`,
+		`CREATE TABLE `+guide+`.processed_event_all PARTITION OF `+guide+`.processed_event DEFAULT`,
+		`CREATE TABLE `+guide+`.bad (event_id text, consumer_group text, processed_at timestamptz)`)
+	twice, plain, ours := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	execAll(t, pool, `INSERT INTO `+guide+`.processed_event VALUES ('`+twice.String()+`', 'g', now() - interval '2 days'),
+		('`+twice.String()+`', 'g', now() - interval '1 day'), ('`+plain.String()+`', 'g', now() - interval '6 days'), ('`+ours.String()+`', 'g', now())`,
+		`INSERT INTO `+cfg.Claims().Qualified+` (event_id, consumer_group, payload_sha256) VALUES ('`+ours.String()+`', 'g', '\x01')`)
+	from := guide + ".processed_event"
+
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 2 {
+		t.Fatalf("adopt claims: %d, %v; want the 2 the library's table lacks", n, err)
+	}
+	if at, want := processedAt(t, pool, cfg.Claims().Qualified, twice), processedAt(t, pool, guide+".processed_event_all", twice); at.Before(want) {
+		t.Errorf("the event claimed twice has processed_at %s, want its latest claim's", at)
+	}
+	var fingerprint []byte
+	if err := pool.QueryRow(ctx, `SELECT payload_sha256 FROM `+cfg.Claims().Qualified+` WHERE event_id = $1`, ours).Scan(&fingerprint); err != nil || string(fingerprint) != "\x01" {
+		t.Errorf("the library's own claim now has fingerprint %x (%v); want it left alone", fingerprint, err)
+	}
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 0 {
+		t.Fatalf("adopt claims again: %d, %v; want nothing new", n, err)
+	}
+	later := uuid.Must(uuid.NewV7())
+	guideClaim(t, pool, guide, later, "g")
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 1 {
+		t.Fatalf("adopt claims after one more: %d, %v; want 1", n, err)
+	}
+	var runs atomic.Int64
+	if out := deliver(t, pool, cfg, "g", later, &runs); out != idempotency.Duplicate || runs.Load() != 0 {
+		t.Fatalf("a redelivery of an adopted claim's event: %v, handler ran %d times; want a duplicate", out, runs.Load())
+	}
+
+	for _, tc := range []struct{ from, want string }{
+		{"processed_event", "want the guide's table as schema.table"},
+		{guide + ".nosuch", "no such table"},
+		{cfg.Schema + ".processed_event", "the library's claim table itself"},
+		{guide + ".bad", "event_id is text, want uuid"},
+	} {
+		if _, err := schema.AdoptClaims(ctx, pool, cfg, tc.from); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("adopt claims from %s: %v; want %q", tc.from, err, tc.want)
+		}
+	}
+	unmigrated := schema.Config{Schema: freshSchema(t, pool)}
+	execAll(t, pool, `CREATE SCHEMA `+unmigrated.Schema)
+	if _, err := schema.AdoptClaims(ctx, pool, unmigrated, from); !errors.Is(err, schema.ErrMissingTable) {
+		t.Errorf("adopt claims into a schema never migrated: %v; want ErrMissingTable", err)
+	}
+}
