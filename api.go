@@ -18,8 +18,8 @@ type (
 	// own event id, a UUIDv7 from the payload (R-KFK-IDEM-1).
 	Event = pipeline.Event
 	// Topic binds a Kafka topic and its event type to the groups that read
-	// it. Its fields (Name, DLQ, Decode, Groups, Extra) are documented at
-	// [pipeline.Topic].
+	// it. Its fields (Name, DLQ, Decode, Groups, Extra, IDNamespace) are
+	// documented at [pipeline.Topic].
 	Topic[E Event] = pipeline.Topic[E]
 	// Group is one consumer group on a topic. Its fields (Name, Handle,
 	// HandleBatch, Batch, DB, TooOld, Extra) are documented at
@@ -88,6 +88,17 @@ func EventTime(ev Event) time.Time { return pipeline.EventTime(ev) }
 // each follow-up's id with outbox.EventID(ev.EventID(), eventType, at).
 func DerivedID(ctx context.Context, eventType string, at time.Time) (uuid.UUID, error) {
 	return pipeline.DerivedID(ctx, eventType, at)
+}
+
+// DeriveEventID is the event id, a UUIDv7, of an event whose producer
+// sends ids of its own (UUIDv4s, numbers): made from the producer's id and
+// a time the event carries, the same on every delivery, and kept apart
+// from other producers' ids by namespace (the producer's or the topic's
+// name; name it in Topic.IDNamespace too). Call it in Decode or in the
+// event's EventID method. A re-send whose time changed is another event:
+// pick a time the producer never changes. See [idempotency.DeriveEventID].
+func DeriveEventID(namespace, foreignID string, at time.Time) uuid.UUID {
+	return idempotency.DeriveEventID(namespace, foreignID, at)
 }
 
 // DeliveryFrom is where the message a handler or middleware works on came

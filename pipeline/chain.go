@@ -442,10 +442,18 @@ func decodeWith(decode func([]byte) (decoded, error)) message.HandlerMiddleware 
 }
 
 // decodedKey is the idempotency key of a decoded message: its event's id.
+// An id that is not a UUIDv7 is refused here, naming where it came from
+// (the event's EventID method, not a payload field the event may not
+// have) and the way out for a producer with ids of its own.
 func decodedKey(msg *message.Message) (uuid.UUID, error) {
 	ev, ok := msg.Context().Value(eventCtxKey{}).(decoded)
 	if !ok {
 		return uuid.Nil, errors.New("pipeline: no decoded event in the message context")
+	}
+	if ev.id.Version() != 7 || ev.id.Variant() != uuid.RFC4122 {
+		return uuid.Nil, fmt.Errorf("%w: %T.EventID() returned %s, a UUID version %d, want 7 "+
+			"(for a producer whose ids are not UUIDv7s, derive one in Decode or EventID() with once.DeriveEventID "+
+			"from the producer's id and a time the event carries)", idempotency.ErrInvalidKey, ev.value, ev.id, ev.id.Version())
 	}
 	return ev.id, nil
 }
