@@ -677,27 +677,19 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 }
 
 // foreignClaims are db's claims of the events derived from the producer's
-// id foreign, under each of the topics' namespaces. A producer's UUID may be
-// written in capitals, or in braces: the id as typed and its canonical form
-// are both looked up, since Decode gave DeriveEventID one of them.
+// id foreign, under each of the topics' namespaces.
 func (c *Console) foreignClaims(r *http.Request, db Database, foreign string) ([]claimRow, []error) {
-	ids := []string{foreign}
-	if u, err := uuid.Parse(foreign); err == nil && u.String() != foreign {
-		ids = append(ids, u.String())
-	}
 	var rows []claimRow
 	var errs []error
 	for _, ns := range c.cfg.IDNamespaces {
-		for _, fid := range ids {
-			claims, err := inbox.LookupForeign(r.Context(), db.DB, c.cfg.Tables, inbox.Foreign{Namespace: ns, ID: fid, ScanTimeout: c.cfg.ScanTimeout}, "")
-			if err != nil {
-				errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
-				continue
-			}
-			for _, cl := range claims {
-				rows = append(rows, claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256),
-					EventID: cl.EventID.String(), EventAt: idempotency.IDTime(cl.EventID), Namespace: ns})
-			}
+		claims, err := inbox.LookupForeign(r.Context(), db.DB, c.cfg.Tables, inbox.Foreign{Namespace: ns, ID: foreign, ScanTimeout: c.cfg.ScanTimeout}, "")
+		if err != nil {
+			errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
+			continue
+		}
+		for _, cl := range claims {
+			rows = append(rows, claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256),
+				EventID: cl.EventID.String(), EventAt: idempotency.IDTime(cl.EventID), Namespace: ns})
 		}
 	}
 	return rows, errs

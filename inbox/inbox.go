@@ -60,7 +60,9 @@ var ErrScanTimeout = errors.New("inbox: the scan for the producer's id ran out o
 
 // Foreign names the events a producer sent under its own id ID (a UUIDv4,
 // a number), whose event ids a topic derives with
-// idempotency.DeriveEventID under Namespace (the topic's IDNamespace).
+// idempotency.DeriveEventID under Namespace (the topic's IDNamespace). An
+// ID that is a UUID is looked up as given and in its canonical form
+// (lower case, no braces), whichever the topic's Decode derived from.
 type Foreign struct {
 	Namespace, ID string
 	// ScanTimeout bounds the scan on the server (its statement_timeout,
@@ -74,7 +76,7 @@ type Foreign struct {
 // not know, so no index serves it: a scan of every partition, which the
 // statement_timeout set before it bounds.
 const foreignSQL = `SELECT event_id, consumer_group, processed_at, payload_sha256 FROM %s
-WHERE right(event_id::text, 21) = $1 AND ($2 = '' OR consumer_group = $2) ORDER BY event_id, consumer_group`
+WHERE right(event_id::text, 21) = ANY($1) AND ($2 = '' OR consumer_group = $2) ORDER BY event_id, consumer_group`
 
 // LookupForeign returns the claims of the events f names, by event id and
 // group; only group's when group is not empty. An event re-sent with
@@ -88,7 +90,10 @@ func LookupForeign(ctx context.Context, db pgdb.DB, tables schema.Config, f Fore
 	}
 	// The last 21 characters of the text form depend on the namespace and
 	// the id alone: those of any time's derived id.
-	suffix := idempotency.DeriveEventID(f.Namespace, f.ID, time.UnixMilli(0)).String()[15:]
+	var suffixes []string
+	for _, id := range foreignForms(f.ID) {
+		suffixes = append(suffixes, idempotency.DeriveEventID(f.Namespace, id, time.UnixMilli(0)).String()[15:])
+	}
 	// The client's own bound, a little later than the server's, for a
 	// database that went silent and answers nothing.
 	ctx, cancel := context.WithTimeout(ctx, f.ScanTimeout+5*time.Second)
@@ -98,7 +103,7 @@ func LookupForeign(ctx context.Context, db pgdb.DB, tables schema.Config, f Fore
 		if _, err := tx.Exec(ctx, `SELECT set_config('statement_timeout', $1, true)`, fmt.Sprint(max(f.ScanTimeout.Milliseconds(), 1))); err != nil {
 			return err
 		}
-		rows, err := tx.Query(ctx, fmt.Sprintf(foreignSQL, tables.Claims().Qualified), suffix, group)
+		rows, err := tx.Query(ctx, fmt.Sprintf(foreignSQL, tables.Claims().Qualified), suffixes, group)
 		if err != nil {
 			return err
 		}
@@ -126,4 +131,13 @@ func Forget(ctx context.Context, db pgdb.DB, tables schema.Config, id uuid.UUID,
 		return nil, fmt.Errorf("inbox: forget the claim of %s by %s: %w", id, group, err)
 	}
 	return sum, nil
+}
+
+// foreignForms are the spellings of a producer's id to look up: as given,
+// and a UUID's canonical form too when that differs.
+func foreignForms(id string) []string {
+	if u, err := uuid.Parse(id); err == nil && u.String() != id {
+		return []string{id, u.String()}
+	}
+	return []string{id}
 }

@@ -22,7 +22,8 @@ func TestMain(m *testing.M) { testenv.MainWithServices(m, "DATABASE_URL") }
 // A lookup by the producer's own id finds the claims of every event derived
 // from it under the namespace, whatever their times, and no other's: not
 // the same id under another namespace, not another id. Each claim says its
-// event id. In every exec mode, directly and behind PgBouncer.
+// event id. A UUID is found however it is spelled. In every exec mode,
+// directly and behind PgBouncer.
 func TestLookupForeignFindsTheDerivedClaims(t *testing.T) {
 	direct := testenv.Postgres(t)
 	ctx := context.Background()
@@ -70,9 +71,13 @@ func TestLookupForeignFindsTheDerivedClaims(t *testing.T) {
 			if strings.Join(got, ", ") != strings.Join(want, ", ") {
 				t.Fatalf("claims %v; want %v", got, want)
 			}
-			claims, err = inbox.LookupForeign(ctx, db, schema.Config{}, inbox.Foreign{Namespace: "inventory", ID: foreign}, analytics)
-			if err != nil || len(claims) != 1 || claims[0].EventID != first || claims[0].Group != analytics {
-				t.Fatalf("analytics' claims: %+v, %v; want its claim of %s", claims, err, first)
+			// A UUID spelled otherwise (capitals, braces) is the same
+			// producer id: its canonical form is looked up too.
+			for _, spelled := range []string{strings.ToUpper(foreign), "{" + foreign + "}"} {
+				claims, err = inbox.LookupForeign(ctx, db, schema.Config{}, inbox.Foreign{Namespace: "inventory", ID: spelled}, analytics)
+				if err != nil || len(claims) != 1 || claims[0].EventID != first || claims[0].Group != analytics {
+					t.Fatalf("analytics' claims by %s: %+v, %v; want its claim of %s", spelled, claims, err, first)
+				}
 			}
 		})
 	}
