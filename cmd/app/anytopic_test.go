@@ -145,7 +145,9 @@ func TestForgetByAProducersIDThatNamesTwoEventsIsRefused(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DELETE FROM processed_event WHERE consumer_group = $1`, group) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DELETE FROM processed_event WHERE consumer_group = $1`, group)
+	})
 	out, err := runApp(t, "inbox", "forget", foreign, "--id-namespace", "inventory", "--group", group, "--database-url", pool.Config().ConnString())
 	if err == nil || !strings.Contains(err.Error(), ids[0].String()) || !strings.Contains(err.Error(), ids[1].String()) {
 		t.Fatalf("forget by a producer's id of two events: %v\n%s; want it refused, naming both", err, out)
