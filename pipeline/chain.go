@@ -286,7 +286,27 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 	headers[middleware.ReasonForPoisonedKey] = text
 	headers[middleware.PoisonedTopicKey] = t.name
 	headers[middleware.PoisonedHandlerKey] = g.name
+	// The event's id as its claim knows it: a derived id (DeriveEventID) is
+	// in no payload field, and the replay window judges the letter by its
+	// time.
+	delete(headers, dlq.HeaderEventID)
+	if id, ok := decodedID(g.decode, msg.Payload); ok {
+		headers[dlq.HeaderEventID] = id.String()
+	}
 	return dlq.Letter{Topic: t.dlq, Key: []byte(msg.Metadata.Get(MetaKafkaKey)), Payload: msg.Payload, Headers: headers}
+}
+
+// decodedID is the id of payload's event, decoded again (a decoder is pure:
+// what decoded before decodes the same); false for a payload that does not
+// decode, or a decoder that panics, here outside the chain's recoverer.
+func decodedID(decode func([]byte) (decoded, error), payload []byte) (id uuid.UUID, ok bool) {
+	defer func() {
+		if recover() != nil {
+			id, ok = uuid.Nil, false
+		}
+	}()
+	ev, err := decode(payload)
+	return ev.id, err == nil
 }
 
 // hold tries a message again, with backoff and without end, for as long as

@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/pipelinetest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
@@ -106,7 +107,8 @@ func testForeignIDs(t *testing.T, m handlerMode) {
 	run(t, cfg)
 
 	foreign := uuid.New() // the producer's id, a UUIDv4
-	created := time.Now().UTC().Truncate(time.Microsecond)
+	// Two hours old: within the dedup horizon, beyond a replay window of one.
+	created := time.Now().Add(-2 * time.Hour).UTC().Truncate(time.Microsecond)
 	first := fmt.Sprintf(`{"reservation_id":%q,"created_at":%q,"sku":"A-1","quantity":2}`, foreign, created.Format(time.RFC3339Nano))
 	otherForm := fmt.Sprintf(`{"quantity":2,"sku":"A-1","created_at":%q,"reservation_id":%q}`,
 		created.In(time.FixedZone("", 2*3600)).Format(time.RFC3339Nano), foreign)
@@ -131,11 +133,11 @@ func testForeignIDs(t *testing.T, m handlerMode) {
 		t.Fatalf("%d claims of the derived id %s (%v); want 1", claimed, id, err)
 	}
 	mu.Lock()
-	defer mu.Unlock()
-	if reason := letters[e.Topic]; !strings.Contains(reason, "different payload") {
-		t.Errorf("the changed payload's dead letter says %q; want a payload mismatch", reason)
+	mismatch, reason := letters[e.Topic], letters[rawTopic]
+	mu.Unlock()
+	if !strings.Contains(mismatch, "different payload") {
+		t.Errorf("the changed payload's dead letter says %q; want a payload mismatch", mismatch)
 	}
-	reason := letters[rawTopic]
 	for _, want := range []string{"rawReservation.EventID() returned " + foreign.String(), "UUID version 4", "DeriveEventID"} {
 		if !strings.Contains(reason, want) {
 			t.Errorf("the UUIDv4 event's dead letter says %q; want it to say %q", reason, want)
@@ -143,5 +145,18 @@ func testForeignIDs(t *testing.T, m handlerMode) {
 	}
 	if strings.Contains(reason, "event_id") || rawRuns.Load() != 0 {
 		t.Errorf("the UUIDv4 event's dead letter names a payload field it does not have (%q), or its handler ran (%d)", reason, rawRuns.Load())
+	}
+
+	// The letter says the derived id, which no payload field holds, and the
+	// replay window judges it by the event's time, not by the letter's.
+	testenv.Eventually(t, 30*time.Second, "the mismatch's letter on its topic", func() bool { return testenv.MessageCount(t, e.Brokers, e.DLQ) == 1 })
+	entries, err := dlq.List(context.Background(), dlq.ListConfig{Brokers: e.Brokers, Sarama: pipelinetest.SaramaConfig(t), DLQTopics: []string{e.DLQ}})
+	if err != nil || len(entries) != 1 || entries[0].EventID != id.String() || !entries[0].EventTime.Equal(created.Truncate(time.Millisecond)) {
+		t.Fatalf("the letter: %+v, %v; want event id %s from %s", entries, err, id, created.Truncate(time.Millisecond))
+	}
+	rep, err := dlq.Replay(context.Background(), dlq.Config{Brokers: e.Brokers, Sarama: pipelinetest.SaramaConfig(t), Topic: e.Topic, DLQTopic: e.DLQ,
+		Group: uniqueGroup("replay"), MaxAge: time.Hour, DryRun: true})
+	if err != nil || rep.SkippedStale != 1 || rep.Replayed != 0 {
+		t.Fatalf("a replay within an hour of a two-hour-old event: %+v, %v; want it skipped as stale", rep, err)
 	}
 }
