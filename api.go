@@ -32,6 +32,9 @@ type (
 	//     dedup. At least one.
 	//   - Extra: a team's middleware for every group of the topic, outside
 	//     each group's own. Default: none.
+	//   - IDNamespace: the namespace its events' ids are derived under with
+	//     [DeriveEventID] from the producer's own ids; the console and
+	//     app inbox then find an event by the producer's id. Default: none.
 	Topic[E Event] = pipeline.Topic[E]
 	// Group is one consumer group on a topic (an alias of
 	// [pipeline.Group]): its Kafka group id and the second half of its
@@ -165,6 +168,17 @@ func EventTime(ev Event) time.Time { return pipeline.EventTime(ev) }
 // each follow-up's id with outbox.EventID(ev.EventID(), eventType, at).
 func DerivedID(ctx context.Context, eventType string, at time.Time) (uuid.UUID, error) {
 	return pipeline.DerivedID(ctx, eventType, at)
+}
+
+// DeriveEventID is the event id, a UUIDv7, of an event whose producer
+// sends ids of its own (UUIDv4s, numbers): made from the producer's id and
+// a time the event carries, the same on every delivery, and kept apart
+// from other producers' ids by namespace (the producer's or the topic's
+// name; name it in Topic.IDNamespace too). Call it in Decode or in the
+// event's EventID method. A re-send whose time changed is another event:
+// pick a time the producer never changes. See [idempotency.DeriveEventID].
+func DeriveEventID(namespace, foreignID string, at time.Time) uuid.UUID {
+	return idempotency.DeriveEventID(namespace, foreignID, at)
 }
 
 // DeliveryFrom is where the message a handler or middleware works on came

@@ -59,9 +59,11 @@ func (s *Service) Ready(ctx context.Context) error {
 
 // Console returns the web console of this service (package console), for a
 // listener of your own under cfg.Prefix (/console): cfg's Brokers, Sarama,
-// Routes, Databases, Tables and Groups are the service's own, the other
-// settings (Token above all; without it the console is read-only) are
-// cfg's. Serve it on loopback, or behind a proxy that authenticates.
+// Routes, Databases, Tables, Groups and IDNamespaces (the topics'
+// IDNamespace: its inbox finds those topics' events by their producer's
+// id) are the service's own, the other settings (Token above all; without
+// it the console is read-only) are cfg's. Serve it on loopback, or behind a
+// proxy that authenticates.
 func (s *Service) Console(cfg console.Config) (*console.Console, error) {
 	version, err := pipeline.ParseKafkaVersion(s.cfg.KafkaVersion)
 	if err != nil {
@@ -70,9 +72,12 @@ func (s *Service) Console(cfg console.Config) (*console.Console, error) {
 	sc := pipeline.PublisherSaramaConfig(version)
 	s.cfg.Security.Apply(sc)
 	cfg.Brokers, cfg.Sarama, cfg.Tables, cfg.Groups = s.cfg.Brokers, sc, s.cfg.Tables, s.pipeline
-	cfg.Routes, cfg.Databases = nil, nil
+	cfg.Routes, cfg.Databases, cfg.IDNamespaces = nil, nil, nil
 	for _, t := range s.pipeline.Topics() {
 		cfg.Routes = append(cfg.Routes, dlq.Route{Topic: t.Name, DLQTopic: t.DLQ})
+		if t.IDNamespace != "" {
+			cfg.IDNamespaces = append(cfg.IDNamespaces, t.IDNamespace)
+		}
 	}
 	for _, db := range s.dbs {
 		cfg.Databases = append(cfg.Databases, console.Database{Name: db.name, DB: db.pool})

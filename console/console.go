@@ -26,6 +26,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/once-dev/once/dlq"
+	"github.com/once-dev/once/inbox"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/schema"
@@ -66,6 +67,15 @@ type Config struct {
 	Databases []Database
 	// Tables names the library's tables. Default: schema's defaults.
 	Tables schema.Config
+	// IDNamespaces are the namespaces topics derive their event ids under
+	// (pipeline.Topic.IDNamespace), for producers whose ids are not
+	// UUIDv7s: the inbox then finds an event by its producer's own id too,
+	// with a scan of the claim table bounded by ScanTimeout. Default: none
+	// (the inbox takes event ids only).
+	IDNamespaces []string
+	// ScanTimeout bounds each such scan, on the server. Default:
+	// [inbox.DefaultScanTimeout].
+	ScanTimeout time.Duration
 	// Groups shows lag and held messages. Default: none (the groups page
 	// says it has nothing to show).
 	Groups Groups
@@ -147,6 +157,12 @@ func (c *Config) setDefaults() {
 	if c.Now == nil {
 		c.Now = time.Now
 	}
+	if c.ScanTimeout == 0 {
+		c.ScanTimeout = inbox.DefaultScanTimeout
+	}
+	// Two topics of one producer share its namespace: one scan serves both.
+	// "" is a topic's "no namespace".
+	c.IDNamespaces = slices.DeleteFunc(slices.Compact(slices.Sorted(slices.Values(c.IDNamespaces))), func(ns string) bool { return ns == "" })
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -170,6 +186,9 @@ func (c Config) Validate() error {
 	}
 	if c.Limit < 0 {
 		errs = append(errs, errors.New("console: Limit must not be negative"))
+	}
+	if c.ScanTimeout < 0 {
+		errs = append(errs, errors.New("console: ScanTimeout must not be negative"))
 	}
 	return errors.Join(errs...)
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/inbox"
+	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/once-dev/once/pipeline"
 )
 
@@ -669,12 +670,18 @@ type inboxData struct {
 	Since   time.Time // when that replay started, by the main database's clock
 	Claims  []claimRow
 	Looked  bool
+	// Foreign: Event was looked up as a producer's own id too, and each
+	// claim says which event it is of.
+	Foreign bool
 }
 
 type claimRow struct {
 	Database, Group, SHA256 string
 	At                      time.Time
 	Outcome                 string
+	EventID                 string
+	EventAt                 time.Time
+	Namespace               string // the topic namespace a producer's id was found under
 }
 
 func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
@@ -684,16 +691,19 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	id, err := uuid.Parse(d.Event)
-	if err == nil && id.Version() != 7 {
-		err = fmt.Errorf("a UUID version %d; event ids are UUIDv7", id.Version())
-	}
-	if err != nil {
+	direct := err == nil && id.Version() == 7
+	if !direct && len(c.cfg.IDNamespaces) == 0 {
+		if err == nil {
+			err = fmt.Errorf("a UUID version %d; event ids are UUIDv7 (a topic whose ids are derived from its producer's, "+
+				"Topic.IDNamespace, lets the inbox find an event by its producer's id)", id.Version())
+		}
 		c.render(w, r, http.StatusBadRequest, "inbox", "Inbox", d, fmt.Errorf("event id %q: %w", d.Event, err))
 		return
 	}
 	d.Looked = true
-	sec, nsec := id.Time().UnixTime()
-	d.EventAt = time.Unix(sec, nsec)
+	if direct {
+		d.EventAt = idempotency.IDTime(id)
+	}
 	var since map[string]time.Time
 	if res, ok := c.results.get(r.FormValue("replay")); ok {
 		d.Replay, since = r.FormValue("replay"), res.At
@@ -701,18 +711,31 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 	}
 	var errs []error
 	for _, db := range c.cfg.Databases {
-		claims, err := inbox.Lookup(r.Context(), db.DB, c.cfg.Tables, id, "")
-		if err != nil {
-			errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
-			continue
+		var found []claimRow
+		if direct {
+			claims, err := inbox.Lookup(r.Context(), db.DB, c.cfg.Tables, id, "")
+			if err != nil {
+				errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
+				continue
+			}
+			for _, cl := range claims {
+				found = append(found, claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256),
+					EventID: cl.EventID.String(), EventAt: idempotency.IDTime(cl.EventID)})
+			}
 		}
-		for _, cl := range claims {
-			row := claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256)}
+		// A UUIDv7 may be a producer's own id too: looked up as one when
+		// no event has it as its id.
+		if len(found) == 0 && len(c.cfg.IDNamespaces) > 0 {
+			d.Foreign = true
+			rows, ferrs := c.foreignClaims(r, db, d.Event)
+			found, errs = append(found, rows...), append(errs, ferrs...)
+		}
+		for _, row := range found {
 			if at, ok := since[db.Name]; ok {
 				// Claimed after the replay: the replay processed it. Before:
 				// the replayed message met the claim, a duplicate.
 				row.Outcome = "duplicate (claimed before the replay)"
-				if !cl.ProcessedAt.Before(at) {
+				if !row.At.Before(at) {
 					row.Outcome = "processed by the replay"
 				}
 			}
@@ -720,6 +743,25 @@ func (c *Console) inbox(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	c.render(w, r, http.StatusOK, "inbox", "Inbox", d, errs...)
+}
+
+// foreignClaims are db's claims of the events derived from the producer's
+// id foreign, under each of the topics' namespaces.
+func (c *Console) foreignClaims(r *http.Request, db Database, foreign string) ([]claimRow, []error) {
+	var rows []claimRow
+	var errs []error
+	for _, ns := range c.cfg.IDNamespaces {
+		claims, err := inbox.LookupForeign(r.Context(), db.DB, c.cfg.Tables, inbox.Foreign{Namespace: ns, ID: foreign, ScanTimeout: c.cfg.ScanTimeout}, "")
+		if err != nil {
+			errs = append(errs, fmt.Errorf("database %s: %w", db.Name, err))
+			continue
+		}
+		for _, cl := range claims {
+			rows = append(rows, claimRow{Database: db.Name, Group: cl.Group, At: cl.ProcessedAt, SHA256: hex.EncodeToString(cl.PayloadSHA256),
+				EventID: cl.EventID.String(), EventAt: idempotency.IDTime(cl.EventID), Namespace: ns})
+		}
+	}
+	return rows, errs
 }
 
 func (c *Console) forget(w http.ResponseWriter, r *http.Request) {
@@ -744,7 +786,11 @@ func (c *Console) forget(w http.ResponseWriter, r *http.Request) {
 		}
 		c.cfg.Logger.Warn("console: FORGOT A CLAIM: the next delivery of this event will be processed again by its group",
 			"event_id", id, "consumer_group", group, "payload_sha256", hex.EncodeToString(sum), "remote", r.RemoteAddr)
-		http.Redirect(w, r, c.cfg.Prefix+"/inbox?"+url.Values{"event": {id.String()}}.Encode(), http.StatusSeeOther)
+		back := r.PostFormValue("looked")
+		if back == "" {
+			back = id.String()
+		}
+		http.Redirect(w, r, c.cfg.Prefix+"/inbox?"+url.Values{"event": {back}}.Encode(), http.StatusSeeOther)
 		return
 	}
 	c.fail(w, r, http.StatusNotFound, "no such database")

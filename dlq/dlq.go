@@ -30,6 +30,13 @@ const DefaultGroup = "once-dlq-replay"
 // HeaderReplayedFrom names the dead letter a replayed message came from.
 const HeaderReplayedFrom = "dlq_replayed_from"
 
+// HeaderEventID is a letter's event id as the pipeline decoded it (the
+// claim's key), on the letters of events that decoded. An event whose
+// producer sends ids of its own (idempotency.DeriveEventID) has no UUIDv7
+// in its payload: this is where a letter's event time, which the replay
+// window judges, comes from then.
+const HeaderEventID = "once_event_id"
+
 // Config configures [Replay].
 type Config struct {
 	Brokers []string
@@ -116,6 +123,7 @@ var dropped = map[string]bool{
 	"kafka_offset":                   true,
 	"kafka_key":                      true,
 	HeaderReplayedFrom:               true,
+	HeaderEventID:                    true, // the pipeline's reading of this delivery: it reads the replay afresh
 }
 
 // Replay republishes every dead letter not yet replayed, up to the end of the
@@ -298,20 +306,33 @@ func nextMessage(ctx context.Context, pc sarama.PartitionConsumer, topic string,
 	}
 }
 
-// eventTime is when the event itself happened, from the UUIDv7 in its
-// payload's event_id: always before its first charge, however often it was
-// dead-lettered since (the record's own timestamp is reset each time). A
-// payload without one falls back to the record's timestamp.
+// eventTime is when the event itself happened, from the UUIDv7 of its
+// event id (eventIDOf): always before its first charge, however often it
+// was dead-lettered since (the record's own timestamp is reset each time).
+// A letter without one falls back to the record's timestamp.
 func eventTime(m *sarama.ConsumerMessage) time.Time {
-	if id, err := uuid.Parse(eventIDOf(m.Value)); err == nil && id.Version() == 7 {
+	if id, err := uuid.Parse(eventIDOf(m.Value, headerOf(m, HeaderEventID))); err == nil && id.Version() == 7 {
 		return idempotency.IDTime(id)
 	}
 	return m.Timestamp
 }
 
-// eventIDOf is the payload's event_id, "" when it has none (a letter is
-// often a payload that does not decode).
-func eventIDOf(payload []byte) string {
+func headerOf(m *sarama.ConsumerMessage, key string) string {
+	for _, h := range m.Headers {
+		if string(h.Key) == key {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+// eventIDOf is a letter's event id: the one the pipeline decoded
+// (header, its [HeaderEventID]), else its payload's event_id; "" when it has
+// neither (a letter is often a payload that does not decode).
+func eventIDOf(payload []byte, header string) string {
+	if header != "" {
+		return header
+	}
 	var doc struct {
 		EventID string `json:"event_id"`
 	}

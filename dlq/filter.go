@@ -93,7 +93,7 @@ func entryOf(m *sarama.ConsumerMessage) Entry {
 			e.Reason = string(h.Value)
 		}
 	}
-	e.EventID = eventIDOf(m.Value)
+	e.EventID = eventIDOf(m.Value, e.Headers[HeaderEventID])
 	return e
 }
 

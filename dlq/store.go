@@ -406,7 +406,7 @@ func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, erro
 // from when it was parked (its event's time is in a payload that may not
 // decode).
 func (p Parked) Entry() Entry {
-	return Entry{DLQTopic: p.Topic, Partition: -1, Offset: -1, EventID: eventIDOf(p.Payload),
+	return Entry{DLQTopic: p.Topic, Partition: -1, Offset: -1, EventID: eventIDOf(p.Payload, p.Headers[HeaderEventID]),
 		Topic: p.Headers[middleware.PoisonedTopicKey], Group: p.Headers[middleware.PoisonedHandlerKey],
 		Reason: p.Headers[middleware.ReasonForPoisonedKey], EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
 		Payload: p.Payload, Headers: p.Headers}

@@ -286,7 +286,27 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 	headers[middleware.ReasonForPoisonedKey] = text
 	headers[middleware.PoisonedTopicKey] = t.name
 	headers[middleware.PoisonedHandlerKey] = g.name
+	// The event's id as its claim knows it: a derived id (DeriveEventID) is
+	// in no payload field, and the replay window judges the letter by its
+	// time.
+	delete(headers, dlq.HeaderEventID)
+	if id, ok := decodedID(g.decode, msg.Payload); ok {
+		headers[dlq.HeaderEventID] = id.String()
+	}
 	return dlq.Letter{Topic: t.dlq, Key: []byte(msg.Metadata.Get(MetaKafkaKey)), Payload: msg.Payload, Headers: headers}
+}
+
+// decodedID is the id of payload's event, decoded again (a decoder is pure:
+// what decoded before decodes the same); false for a payload that does not
+// decode, or a decoder that panics, here outside the chain's recoverer.
+func decodedID(decode func([]byte) (decoded, error), payload []byte) (id uuid.UUID, ok bool) {
+	defer func() {
+		if recover() != nil {
+			id, ok = uuid.Nil, false
+		}
+	}()
+	ev, err := decode(payload)
+	return ev.id, err == nil
 }
 
 // hold tries a message again, with backoff and without end, for as long as
@@ -442,10 +462,18 @@ func decodeWith(decode func([]byte) (decoded, error)) message.HandlerMiddleware 
 }
 
 // decodedKey is the idempotency key of a decoded message: its event's id.
+// An id that is not a UUIDv7 is refused here, naming where it came from
+// (the event's EventID method, not a payload field the event may not
+// have) and the way out for a producer with ids of its own.
 func decodedKey(msg *message.Message) (uuid.UUID, error) {
 	ev, ok := msg.Context().Value(eventCtxKey{}).(decoded)
 	if !ok {
 		return uuid.Nil, errors.New("pipeline: no decoded event in the message context")
+	}
+	if ev.id.Version() != 7 || ev.id.Variant() != uuid.RFC4122 {
+		return uuid.Nil, fmt.Errorf("%w: %T.EventID() returned %s, a UUID version %d, want 7 "+
+			"(for a producer whose ids are not UUIDv7s, derive one in Decode or EventID() with once.DeriveEventID "+
+			"from the producer's id and a time the event carries)", idempotency.ErrInvalidKey, ev.value, ev.id, ev.id.Version())
 	}
 	return ev.id, nil
 }

@@ -393,14 +393,14 @@ func TestInvalidConfigReportsEveryProblem(t *testing.T) {
 		CommitMode:   "sometimes",
 		Topics: []pipeline.Binding{
 			pipeline.Topic[confirmed]{Name: "t", DLQ: "t", Groups: []pipeline.Group[confirmed]{{Name: "g", Handle: noop}, {Name: "g", Handle: noop}}},
-			pipeline.Topic[confirmed]{Name: "u", Decode: decodeConfirmed},
+			pipeline.Topic[confirmed]{Name: "u", Decode: decodeConfirmed, IDNamespace: "inventory\x00v2"},
 		},
 	})
 	if err == nil {
 		t.Fatal("accepted")
 	}
 	for _, want := range []string{"KafkaVersion", "Brokers is empty", "CommitMode", "DLQ must differ", "Decode is required",
-		"group g listed twice", "topic u: no consumer groups", "no DB, and Config.DB is nil"} {
+		"group g listed twice", "topic u: no consumer groups", "no DB, and Config.DB is nil", "topic u: IDNamespace must not contain a NUL byte"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error does not mention %q:\n%v", want, err)
 		}

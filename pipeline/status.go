@@ -376,13 +376,16 @@ func (l *lagState) closeLag() error {
 // TopicNames is a topic of the pipeline and its dead-letter topic.
 type TopicNames struct {
 	Name, DLQ string
+	// IDNamespace is the topic's [Topic.IDNamespace]: "" when its events
+	// carry their UUIDv7s.
+	IDNamespace string
 }
 
 // Topics are the pipeline's topics, in configuration order.
 func (p *Pipeline) Topics() []TopicNames {
 	out := make([]TopicNames, 0, len(p.topics))
 	for _, t := range p.topics {
-		out = append(out, TopicNames{Name: t.name, DLQ: t.dlq})
+		out = append(out, TopicNames{Name: t.name, DLQ: t.dlq, IDNamespace: t.idNamespace})
 	}
 	return out
 }

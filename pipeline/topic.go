@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -142,6 +143,13 @@ type Topic[E Event] struct {
 	Groups []Group[E]
 	// Extra middleware for every group of the topic.
 	Extra Extra
+	// IDNamespace is the namespace the topic's events derive their ids
+	// under, for a producer whose ids are not UUIDv7s: the one Decode or
+	// the event's EventID method gives [idempotency.DeriveEventID]. It
+	// changes no claim; it lets an operator find an event by the
+	// producer's own id (the console's inbox, [Pipeline.Topics]). No NUL
+	// byte. Default: "", the events carry their UUIDv7s.
+	IDNamespace string
 }
 
 // Group is one consumer group on a topic: its Kafka consumer group id and the
@@ -219,6 +227,8 @@ type Binding interface {
 type topicBinding struct {
 	name, dlq string
 	groups    []groupBinding
+	// idNamespace is Topic.IDNamespace.
+	idNamespace string
 }
 
 type groupBinding struct {
@@ -323,7 +333,10 @@ func (t Topic[E]) binding() (topicBinding, error) {
 	if t.Name == "" {
 		errs = append(errs, errors.New("pipeline: a Topic has no Name"))
 	}
-	b := topicBinding{name: t.Name, dlq: t.DLQ}
+	b := topicBinding{name: t.Name, dlq: t.DLQ, idNamespace: t.IDNamespace}
+	if strings.Contains(t.IDNamespace, "\x00") {
+		errs = append(errs, fmt.Errorf("pipeline: topic %s: IDNamespace must not contain a NUL byte (DeriveEventID separates it from the id with one)", t.Name))
+	}
 	if b.dlq == "" {
 		b.dlq = t.Name + ".dlq"
 	}

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -12,19 +11,20 @@ import (
 
 	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/progress"
-	"github.com/once-dev/once/internal/reference"
 	"github.com/once-dev/once/schema"
 )
 
 type dlqCmd struct {
-	List   dlqListCmd   `cmd:"" help:"List dead letters as a table: those on the dead-letter topics, and those parked in the database on their way there."`
-	Replay dlqReplayCmd `cmd:"" help:"Republish dead-lettered messages to the topic they came from (each once; stops at the end seen at start)."`
+	List   dlqListCmd   `cmd:"" help:"List dead letters as a table: those on the dead-letter topics, and those parked in the database on their way there. Any topic: --source-topic (and --dlq-topic); without it, the reference service's topics."`
+	Replay dlqReplayCmd `cmd:"" help:"Republish dead-lettered messages to the topic they came from (each once; stops at the end seen at start). Any topic: --source-topic (and --dlq-topic); without it, the reference service's topics."`
 }
 
-// dlqFilterFlags select letters for list and replay alike.
+// dlqFilterFlags select letters for list and replay alike, and the
+// dead-letter topics they are read from.
 type dlqFilterFlags struct {
-	SourceTopic string        `name:"source-topic" help:"Only letters consumed from this topic (its name without --topic-suffix: ${topics})."`
-	SourceGroup string        `name:"source-group" help:"Only letters of this consumer group (${groups}; --group-suffix is added)."`
+	SourceTopic string        `name:"source-topic" help:"Only letters consumed from this topic, any topic (its name without --topic-suffix); its dead-letter topic is the one read (--dlq-topic). Default: every letter of the reference service's topics (${topics}, as --confirmed-topic, --cancelled-topic and --payment-topic name them)."`
+	DLQTopic    string        `name:"dlq-topic" help:"The dead-letter topic of --source-topic, as is (its Topic.DLQ). Default: --source-topic's name (with --topic-suffix) + .dlq."`
+	SourceGroup string        `name:"source-group" help:"Only letters of this consumer group, any group (the reference service's: ${groups}); --group-suffix is added."`
 	Reason      string        `name:"reason" help:"Only letters whose reason matches this regular expression."`
 	NewerThan   time.Duration `name:"newer-than" help:"Only letters whose event is at most this old."`
 	OlderThan   time.Duration `name:"older-than" help:"Only letters whose event is at least this old."`
@@ -40,19 +40,38 @@ func (f *dlqFilterFlags) filter(k *kafkaSettings) (dlq.Filter, error) {
 		return dlq.Filter{}, fmt.Errorf("--newer-than and --older-than must be positive, --older-than below --newer-than")
 	}
 	out := dlq.Filter{Reason: re, MinAge: f.OlderThan, MaxAge: f.NewerThan}
+	if f.DLQTopic != "" && f.SourceTopic == "" {
+		// A letter that does not say its topic goes back to the route's.
+		return dlq.Filter{}, fmt.Errorf("--dlq-topic %s needs --source-topic, the topic its letters go back to", f.DLQTopic)
+	}
 	if f.SourceTopic != "" {
-		if !slices.Contains(k.topics(""), f.SourceTopic) {
-			return dlq.Filter{}, fmt.Errorf("--source-topic %q: want one of %s", f.SourceTopic, strings.Join(k.topics(""), ", "))
-		}
 		out.Topic = f.SourceTopic + k.TopicSuffix
+		if r := f.routes(k); r[0].DLQTopic == r[0].Topic {
+			return dlq.Filter{}, fmt.Errorf("--dlq-topic %s is --source-topic itself: a replay would read what it writes", f.DLQTopic)
+		}
 	}
 	if f.SourceGroup != "" {
-		if !slices.Contains(reference.Groups, f.SourceGroup) {
-			return dlq.Filter{}, fmt.Errorf("--source-group %q: want one of %s", f.SourceGroup, strings.Join(reference.Groups, ", "))
-		}
 		out.Group = f.SourceGroup + f.GroupSuffix
 	}
 	return out, nil
+}
+
+// routes are the topics whose letters list and replay read, each with its
+// dead-letter topic: --source-topic's alone, or the reference service's.
+func (f *dlqFilterFlags) routes(k *kafkaSettings) []dlq.Route {
+	if f.SourceTopic != "" {
+		topic := f.SourceTopic + k.TopicSuffix
+		r := dlq.Route{Topic: topic, DLQTopic: f.DLQTopic}
+		if r.DLQTopic == "" {
+			r.DLQTopic = dlqOf(topic)
+		}
+		return []dlq.Route{r}
+	}
+	var out []dlq.Route
+	for _, topic := range k.topics(k.TopicSuffix) {
+		out = append(out, dlq.Route{Topic: topic, DLQTopic: dlqOf(topic)})
+	}
+	return out
 }
 
 type dlqListCmd struct {
@@ -73,8 +92,8 @@ func (c *dlqListCmd) Validate() error {
 func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 	f, _ := c.Filter.filter(&c.Kafka)
 	var dlqs []string
-	for _, t := range c.Kafka.topics(c.Kafka.TopicSuffix) {
-		dlqs = append(dlqs, dlqOf(t))
+	for _, r := range c.Filter.routes(&c.Kafka) {
+		dlqs = append(dlqs, r.DLQTopic)
 	}
 	p := progress.New(d.stderr)
 	p.Set("reading %s", strings.Join(dlqs, ", "))
@@ -152,10 +171,7 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	f, _ := c.Filter.filter(&c.Kafka)
 	p := progress.New(d.stderr)
 	defer p.Done()
-	var routes []dlq.Route
-	for _, topic := range c.Kafka.topics(c.Kafka.TopicSuffix) {
-		routes = append(routes, dlq.Route{Topic: topic, DLQTopic: dlqOf(topic)})
-	}
+	routes := c.Filter.routes(&c.Kafka)
 	total, err := dlq.ReplayRoutes(ctx, dlq.Config{
 		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f,
 		Progress: func(done, n int64) { p.Set("replaying: %d/%d", done, n) },

@@ -30,8 +30,10 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"inbox", "status", "not-a-uuid", "--database-url", "postgres://x@h/db"}, "<event-id>"},
 		{[]string{"inbox", "forget", "0190c1b2-0000-7000-8000-000000000000", "--group", "billing", "--database-url", "postgres://x@h/db"}, "--force"},
 		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--reason", "("}, "--reason"},
-		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--source-group", "shipping"}, "--source-group"},
-		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--source-topic", "orders"}, "--source-topic"},
+		{[]string{"dlq", "list", "--kafka-brokers", "h:1", "--dlq-topic", "orders.dead"}, "--source-topic"},
+		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--source-topic", "orders", "--dlq-topic", "orders"}, "--dlq-topic"},
+		{[]string{"inbox", "status", "6ba7b810-9dad-41d1-80b4-00c04fd430c8", "--database-url", "postgres://x@h/db"}, "--id-namespace"},
+		{[]string{"inbox", "status", "42", "--id-namespace", "inventory", "--scan-timeout", "0s", "--database-url", "postgres://x@h/db"}, "--scan-timeout"},
 		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--older-than", "48h"}, "--max-age"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")

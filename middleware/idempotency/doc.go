@@ -32,7 +32,9 @@
 //     clock; a duplicate is a duplicate whatever its age).
 //   - The key is the event's own id (R-KFK-IDEM-1), never a Kafka offset
 //     (R-KFK-IDEM-X2). The same id with a different payload is reported as
-//     [ErrPayloadMismatch], not skipped.
+//     [ErrPayloadMismatch], not skipped. An event whose producer sends ids
+//     of its own gets a UUIDv7 derived from that id and a time it carries
+//     ([DeriveEventID], in a Config.Key).
 //
 // # Errors
 //

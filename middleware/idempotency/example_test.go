@@ -2,7 +2,9 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -42,4 +44,18 @@ func Example() {
 		return err
 	}).AddMiddleware(idem.Middleware)
 	_ = router.Run(ctx)
+}
+
+// An event from a producer that sends UUIDv4s gets its claim key from that
+// id and the time the producer wrote in the event, the same on every
+// delivery. The namespace is the producer's (or the topic's) name.
+func ExampleDeriveEventID() {
+	// {"reservation_id":"3f1c2a54-0b7e-4e3a-9c51-7d2f8e6a1b90","created_at":"2026-03-14T09:26:53.589Z",...}
+	createdAt := time.Date(2026, 3, 14, 9, 26, 53, 589_000_000, time.UTC)
+	id := idempotency.DeriveEventID("inventory", "3f1c2a54-0b7e-4e3a-9c51-7d2f8e6a1b90", createdAt)
+	fmt.Println(id, id.Version())
+	fmt.Println(idempotency.IDTime(id).UTC().Format(time.RFC3339Nano))
+	// Output:
+	// 019cebab-8995-7b1b-bb5d-65e23ab14d67 VERSION_7
+	// 2026-03-14T09:26:53.589Z
 }

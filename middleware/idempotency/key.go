@@ -15,6 +15,8 @@ type KeyFunc func(msg *message.Message) (uuid.UUID, error)
 // PayloadEventID is the default [KeyFunc]: the UUIDv7 in the JSON payload's
 // top-level "event_id" field (R-KFK-IDEM-1). Headers and Kafka coordinates are
 // deliberately not used: they differ between deliveries of one event.
+// An event whose producer sends another kind of id needs a KeyFunc of its
+// own that derives a UUIDv7 from it with [DeriveEventID].
 func PayloadEventID(msg *message.Message) (uuid.UUID, error) {
 	var doc struct {
 		EventID *string `json:"event_id"`
@@ -30,7 +32,9 @@ func PayloadEventID(msg *message.Message) (uuid.UUID, error) {
 		return uuid.Nil, fmt.Errorf("%w: event_id %q: %v", ErrInvalidKey, *doc.EventID, err)
 	}
 	if id.Version() != 7 || id.Variant() != uuid.RFC4122 {
-		return uuid.Nil, fmt.Errorf("%w: event_id %s is UUID version %d, want 7", ErrInvalidKey, id, id.Version())
+		return uuid.Nil, fmt.Errorf("%w: event_id %s is UUID version %d, want 7 "+
+			"(for a producer whose ids are not UUIDv7s, give Config.Key a KeyFunc that derives one with DeriveEventID)",
+			ErrInvalidKey, id, id.Version())
 	}
 	return id, nil
 }

@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -43,4 +44,20 @@ func FuzzPayloadEventID(f *testing.F) {
 			t.Fatalf("%q: key %s, but event_id reads %q", payload, id, doc.EventID)
 		}
 	})
+}
+
+// The default key refuses another UUID version naming the payload's field,
+// and says what a producer with ids of its own needs: a Config.Key that
+// derives a UUIDv7 with DeriveEventID.
+func TestPayloadEventIDPointsAtDeriveEventID(t *testing.T) {
+	v4 := uuid.New()
+	_, err := idempotency.PayloadEventID(message.NewMessage("m", []byte(`{"event_id":"`+v4.String()+`"}`)))
+	if !errors.Is(err, idempotency.ErrInvalidKey) {
+		t.Fatalf("a UUIDv4 event_id: %v; want an ErrInvalidKey", err)
+	}
+	for _, want := range []string{"event_id " + v4.String() + " is UUID version 4, want 7", "Config.Key", "DeriveEventID"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
 }
