@@ -26,7 +26,8 @@ type Event interface {
 
 // Decoder turns a message payload into an event. Any error it returns is
 // permanent: the message is dead-lettered with the error as its reason,
-// before anything is claimed. It must not do I/O.
+// before anything is claimed; so is an event it returns whose values
+// cannot be fingerprinted (see [Topic]). It must not do I/O.
 type Decoder[E Event] func(payload []byte) (E, error)
 
 // HandlerFunc is a consumer group's business logic. It runs at most once to
@@ -149,7 +150,11 @@ func (b *Batch) setDefaults() {
 //     second one's effect would be skipped. Here the number 12.5 and the
 //     string "12.50" are two values; write a CanonicalEvent to make them one.
 //
-// An E whose zero value cannot be fingerprinted is refused at start-up.
+// An E whose zero value cannot be fingerprinted is refused at start-up. An
+// event whose values cannot be (time.Time's MarshalJSON refuses a year
+// outside 0000-9999, which a valid time with an offset reaches in UTC) is
+// the message's fault: dead-lettered with the reason, as if it did not
+// decode.
 type Topic[E Event] struct {
 	// Name of the Kafka topic. Required.
 	Name string
@@ -258,8 +263,7 @@ type decoded struct {
 	value any
 	// fingerprint is the SHA-256 of the event's values in canonical form,
 	// stored with its claim (see idempotency.Config.Fingerprint).
-	fingerprint    [32]byte
-	fingerprintErr error
+	fingerprint [32]byte
 }
 
 // CanonicalEvent is an event type whose JSON encoding is canonical already:
@@ -486,7 +490,13 @@ func (t Topic[E]) binding() (topicBinding, error) {
 			return decoded{}, err
 		}
 		d := decoded{id: ev.EventID(), value: ev}
-		d.fingerprint, d.fingerprintErr = fingerprint(ev, payload)
+		if d.fingerprint, err = fingerprint(ev, payload); err != nil {
+			// The type fingerprints its zero value (checked at start-up),
+			// so it is this event's values that cannot be written down:
+			// the message's fault, dead-lettered with the reason. Held,
+			// it would stop its partition for ever.
+			return decoded{}, fmt.Errorf("the event's values cannot be fingerprinted: %w", err)
+		}
 		return d, nil
 	}
 	seen := map[string]bool{}
