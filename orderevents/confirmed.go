@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/once-dev/once/middleware/idempotency"
 	"github.com/shopspring/decimal"
 )
 
@@ -107,27 +106,26 @@ func (c Confirmed) MarshalJSON() ([]byte, error) {
 // without trailing zeros, the time in UTC without trailing zeros), so that
 // claims stored before it match. Written directly: it runs for every event
 // consumed, and the round trip through encoding/json cost a consumer about
-// a third of its CPU.
+// a third of its CPU. It cannot fail: every value a Confirmed holds has a
+// form, a time outside the years 0000-9999 included.
 func (c Confirmed) CanonicalJSON() ([]byte, error) {
-	at := c.occurredAt.UTC()
-	if y := at.Year(); y < 0 || y > 9999 {
-		// Outside RFC 3339's years idempotency.CanonicalJSON takes the
-		// time for a plain string and keeps it as written (review
-		// finding): its own round trip says what that is.
-		b, err := json.Marshal(c)
-		if err != nil {
-			return nil, err
-		}
-		return idempotency.CanonicalJSON(b)
-	}
-	at = at.Add(-time.Duration(at.Nanosecond() % 1000)) // MarshalJSON keeps microseconds
 	b := make([]byte, 0, 192)
 	b = append(b, `{"customer_id":`...)
 	b = appendCanonicalInt(b, c.customerID)
 	b = append(b, `,"event_id":"`...)
 	b = append(b, c.eventID.String()...)
 	b = append(b, `","event_type":"`+TypeConfirmedV1+`","occurred_at":"`...)
-	b = at.AppendFormat(b, time.RFC3339Nano)
+	at := c.occurredAt.UTC()
+	if y := at.Year(); y < 0 || y > 9999 {
+		// Not an RFC 3339 year (a valid time whose offset carried it
+		// out of 0000-9999): MarshalJSON writes it with Go's signed
+		// or five-digit year, a string idempotency.CanonicalJSON keeps
+		// as it is.
+		b = at.AppendFormat(b, occurredAtLayout)
+	} else {
+		at = at.Add(-time.Duration(at.Nanosecond() % 1000)) // MarshalJSON keeps microseconds
+		b = at.AppendFormat(b, time.RFC3339Nano)
+	}
 	b = append(b, `","order_id":`...)
 	b = appendCanonicalInt(b, c.orderID)
 	b = append(b, `,"total_amount":"`...)

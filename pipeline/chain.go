@@ -484,7 +484,7 @@ func decodedFingerprint(msg *message.Message) ([32]byte, error) {
 	if !ok {
 		return [32]byte{}, errors.New("pipeline: no decoded event in the message context")
 	}
-	return ev.fingerprint, ev.fingerprintErr
+	return ev.fingerprint, nil
 }
 
 func handleWith(handle func(ctx context.Context, tx pgx.Tx, ev any) error) message.HandlerFunc {

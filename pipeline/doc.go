@@ -31,7 +31,8 @@
 //     is neither retried nor dead-lettered.
 //  6. retry with backoff of what is not permanent.
 //  7. recoverer: a panic becomes an error after the transaction rolled back.
-//  8. decode: the payload becomes an E, or the message is permanent.
+//  8. decode: the payload becomes an E and its fingerprint (see [Topic]),
+//     or the message is permanent.
 //  9. Extra.BeforeClaim.
 //  10. claim (package idempotency), with the transaction in the context.
 //  11. Extra.InTx, for first deliveries, then the handler. A chain that

@@ -3,6 +3,7 @@ package pipeline
 import (
 	"context"
 	"crypto/sha256"
+	"encoding"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -25,7 +26,8 @@ type Event interface {
 
 // Decoder turns a message payload into an event. Any error it returns is
 // permanent: the message is dead-lettered with the error as its reason,
-// before anything is claimed. It must not do I/O.
+// before anything is claimed; so is an event it returns whose values
+// cannot be fingerprinted (see [Topic]). It must not do I/O.
 type Decoder[E Event] func(payload []byte) (E, error)
 
 // HandlerFunc is a consumer group's business logic. It runs at most once to
@@ -132,6 +134,31 @@ func (b *Batch) setDefaults() {
 // Topic binds one Kafka topic and its event type to the consumer groups that
 // read it. Each group gets the whole safety chain (see the package
 // documentation) and its own dedup.
+//
+// Each claim stores a fingerprint of its event's values (see
+// idempotency.Config.Fingerprint): a re-published event whose values are
+// the same is a duplicate, one with other values under a claimed id a
+// payload mismatch. The fingerprint is made of the decoded event, so that
+// what E makes one value is one value ("12.50" and 12.5 decoded into one
+// decimal, a time at any offset), but only where it sees all of E:
+//
+//   - an E that is a [CanonicalEvent]: its CanonicalJSON;
+//   - an E that encoding/json writes whole (exported fields all the way
+//     down, or a MarshalJSON or MarshalText on the value itself):
+//     json.Marshal made canonical by idempotency.CanonicalJSON;
+//   - any other E (an unexported field, a json:"-" field, an interface
+//     field, a field hidden by another of its name, a marshaler on the
+//     pointer only or promoted from an embedded field): its payload made
+//     canonical, as idempotency.PayloadSHA256 does. Its exported fields
+//     alone would make two events that differ elsewhere one, and the
+//     second one's effect would be skipped. Here the number 12.5 and the
+//     string "12.50" are two values; write a CanonicalEvent to make them one.
+//
+// An E whose zero value cannot be fingerprinted is refused at start-up. An
+// event whose values cannot be (time.Time's MarshalJSON refuses a year
+// outside 0000-9999, which a valid time with an offset reaches in UTC) is
+// the message's fault: dead-lettered with the reason, as if it did not
+// decode.
 type Topic[E Event] struct {
 	// Name of the Kafka topic. Required.
 	Name string
@@ -249,15 +276,14 @@ type decoded struct {
 	value any
 	// fingerprint is the SHA-256 of the event's values in canonical form,
 	// stored with its claim (see idempotency.Config.Fingerprint).
-	fingerprint    [32]byte
-	fingerprintErr error
+	fingerprint [32]byte
 }
 
 // CanonicalEvent is an event type whose JSON encoding is canonical already:
 // equal values always give the same bytes (times in UTC at one precision,
-// decimals at one scale, members in one order). Its CanonicalJSON is the
-// event's fingerprint as it is. Other event types are fingerprinted by
-// their json.Marshal encoding made canonical by idempotency.CanonicalJSON.
+// decimals at one scale, members in one order), and different values never
+// do. Its CanonicalJSON is the event's fingerprint as it is. For other event
+// types see [Topic].
 type CanonicalEvent interface {
 	CanonicalJSON() ([]byte, error)
 }
@@ -266,62 +292,183 @@ type CanonicalEvent interface {
 // idempotency.Config.Fingerprint): a re-published event in another byte
 // form (member order, a time zone offset, 12.5 or "12.50") decodes to the
 // same values and so has the same fingerprint, while other values under the
-// same id are a payload mismatch.
+// same id are a payload mismatch. So the fingerprint must take in the whole
+// decoded value, or two events that differ only where it does not look pass
+// for duplicates and the second one's effect is skipped:
 //
 //   - a [CanonicalEvent]: its CanonicalJSON;
-//   - a type whose values encoding/json can see (a MarshalJSON on the value,
-//     or exported fields): json.Marshal of the decoded event, made
-//     canonical by idempotency.CanonicalJSON;
-//   - any other (unexported fields behind getters, a MarshalJSON on the
-//     pointer only): json.Marshal would write {} for every event, and every
-//     reused id would pass for a duplicate; the payload's own JSON, made
-//     canonical, stands in for the values.
-func fingerprinterOf[E Event]() func(ev E, payload []byte) ([32]byte, error) {
+//   - a type encoding/json sees entirely (see jsonVisible): json.Marshal of
+//     the decoded event, made canonical by idempotency.CanonicalJSON;
+//   - any other (unexported fields behind getters, a json:"-" field, an
+//     interface field, a MarshalJSON on the pointer only): json.Marshal
+//     would leave out part of the values; the payload's own JSON, made
+//     canonical (which never merges two different values), stands in for
+//     them. A re-publication is then a duplicate when its JSON values are
+//     the same, not when its decoded values are: 12.5 and "12.50" differ.
+//
+// The error is the reason a type is refused at start-up: even its zero
+// value cannot be fingerprinted.
+func fingerprinterOf[E Event]() (func(ev E, payload []byte) ([32]byte, error), error) {
 	t := reflect.TypeFor[E]()
+	var fingerprint func(ev E, payload []byte) ([32]byte, error)
 	switch {
 	case t.Implements(reflect.TypeFor[CanonicalEvent]()):
-		return func(ev E, _ []byte) ([32]byte, error) {
+		fingerprint = func(ev E, _ []byte) ([32]byte, error) {
 			b, err := any(ev).(CanonicalEvent).CanonicalJSON()
 			if err != nil {
-				return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+				return [32]byte{}, fmt.Errorf("the canonical form of %T: %w", ev, err)
 			}
 			return sha256.Sum256(b), nil
 		}
-	case t.Implements(reflect.TypeFor[json.Marshaler]()) || hasJSONFields(t):
-		return func(ev E, _ []byte) ([32]byte, error) {
+	case jsonVisible(t):
+		fingerprint = func(ev E, _ []byte) ([32]byte, error) {
 			b, err := json.Marshal(ev)
 			if err == nil {
 				b, err = idempotency.CanonicalJSON(b)
 			}
 			if err != nil {
-				return [32]byte{}, fmt.Errorf("pipeline: canonical form of %T: %w", ev, err)
+				return [32]byte{}, fmt.Errorf("the canonical form of %T: %w", ev, err)
 			}
 			return sha256.Sum256(b), nil
 		}
 	default:
 		return func(_ E, payload []byte) ([32]byte, error) {
-			b, err := idempotency.CanonicalJSON(payload)
-			if err != nil {
-				return sha256.Sum256(payload), nil // not JSON: its bytes are its values
-			}
-			return sha256.Sum256(b), nil
-		}
+			return idempotency.PayloadSHA256(&message.Message{Payload: payload})
+		}, nil
 	}
+	if t.Kind() == reflect.Interface {
+		return fingerprint, nil // no zero value to try: the events' own types decide
+	}
+	return fingerprint, fingerprintZero(t, fingerprint)
 }
 
-// hasJSONFields reports whether encoding/json writes any field of t.
-func hasJSONFields(t reflect.Type) bool {
-	for t.Kind() == reflect.Pointer {
-		t = t.Elem()
+// fingerprintZero fingerprints the zero value of E (a pointer to one, for
+// a pointer type): a type that fails even then would fail for every event.
+func fingerprintZero[E Event](t reflect.Type, fingerprint func(ev E, payload []byte) ([32]byte, error)) (err error) {
+	var zero E
+	if t.Kind() == reflect.Pointer {
+		zero = reflect.New(t.Elem()).Interface().(E)
 	}
-	if t.Kind() != reflect.Struct {
-		return t.Kind() != reflect.Interface // a named string, number or slice marshals its value
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("event type %s cannot be fingerprinted: its zero value panics: %v", t, r)
+		}
+	}()
+	if _, err := fingerprint(zero, nil); err != nil {
+		return fmt.Errorf("event type %s cannot be fingerprinted, not even its zero value: %w", t, err)
 	}
+	return nil
+}
+
+var (
+	jsonMarshalerType = reflect.TypeFor[json.Marshaler]()
+	textMarshalerType = reflect.TypeFor[encoding.TextMarshaler]()
+)
+
+// jsonVisible reports whether json.Marshal writes all of every value of t,
+// so that two values it writes alike are equal: every field exported and
+// written (no json:"-", no field hidden by another of the same name), no
+// interface, channel, function or complex number anywhere, recursively. A
+// MarshalJSON or MarshalText on the value counts as writing all of it; one
+// on the pointer only does not (encoding/json calls it only for some
+// values), nor does one that may be promoted from an embedded field, which
+// would write that field alone.
+func jsonVisible(t reflect.Type) bool { return visible(t, map[reflect.Type]bool{}) }
+
+func visible(t reflect.Type, seen map[reflect.Type]bool) bool {
+	if t.Implements(jsonMarshalerType) || t.Implements(textMarshalerType) {
+		return t.Kind() != reflect.Struct || !embedsMarshaler(t, map[reflect.Type]bool{})
+	}
+	if reflect.PointerTo(t).Implements(jsonMarshalerType) || reflect.PointerTo(t).Implements(textMarshalerType) {
+		return false
+	}
+	if seen[t] {
+		return true // a recursive type: its other fields decide
+	}
+	seen[t] = true
+	switch t.Kind() {
+	case reflect.Bool, reflect.String, reflect.Float32, reflect.Float64,
+		reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Uintptr:
+		return true
+	case reflect.Pointer, reflect.Slice, reflect.Array:
+		return visible(t.Elem(), seen)
+	case reflect.Map:
+		switch k := t.Key(); k.Kind() {
+		case reflect.String, reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
+			reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Uintptr:
+		default:
+			if !k.Implements(textMarshalerType) {
+				return false
+			}
+		}
+		return visible(t.Elem(), seen)
+	case reflect.Struct:
+		names := map[string]bool{}
+		return structVisible(t, names, seen, map[reflect.Type]bool{})
+	}
+	return false // an interface, a channel, a function, a complex number
+}
+
+// structVisible checks the fields encoding/json writes of struct t, the
+// fields of its untagged embedded structs among them, collecting their
+// names: a name seen twice hides one of the fields (or both).
+func structVisible(t reflect.Type, names map[string]bool, seen, embedding map[reflect.Type]bool) bool {
+	if embedding[t] {
+		return false // embeds itself: encoding/json stops somewhere
+	}
+	embedding[t] = true
+	defer delete(embedding, t)
 	for f := range t.Fields() {
-		if f.IsExported() && f.Tag.Get("json") != "-" {
+		tag := f.Tag.Get("json")
+		if tag == "-" {
+			return false
+		}
+		name, _, _ := strings.Cut(tag, ",")
+		ft := f.Type
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		if f.Anonymous && name == "" && ft.Kind() == reflect.Struct {
+			if !structVisible(ft, names, seen, embedding) {
+				return false
+			}
+			continue
+		}
+		if !f.IsExported() {
+			return false
+		}
+		if name == "" {
+			name = f.Name
+		}
+		if names[name] || !visible(f.Type, seen) {
+			return false
+		}
+		names[name] = true
+	}
+	return true
+}
+
+// embedsMarshaler reports whether a struct type has an embedded field
+// (at any depth) whose MarshalJSON or MarshalText it may have by promotion.
+func embedsMarshaler(t reflect.Type, seen map[reflect.Type]bool) bool {
+	if seen[t] {
+		return false
+	}
+	seen[t] = true
+	for f := range t.Fields() {
+		if !f.Anonymous {
+			continue
+		}
+		ft := f.Type
+		if ft.Implements(jsonMarshalerType) || ft.Implements(textMarshalerType) ||
+			reflect.PointerTo(ft).Implements(jsonMarshalerType) || reflect.PointerTo(ft).Implements(textMarshalerType) {
 			return true
 		}
-		if f.Anonymous && hasJSONFields(f.Type) {
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		if ft.Kind() == reflect.Struct && embedsMarshaler(ft, seen) {
 			return true
 		}
 	}
@@ -349,14 +496,23 @@ func (t Topic[E]) binding() (topicBinding, error) {
 	if len(t.Groups) == 0 {
 		errs = append(errs, fmt.Errorf("pipeline: topic %s: no consumer groups", t.Name))
 	}
-	fingerprint := fingerprinterOf[E]()
+	fingerprint, err := fingerprinterOf[E]()
+	if err != nil {
+		errs = append(errs, fmt.Errorf("pipeline: topic %s: %w", t.Name, err))
+	}
 	decode := func(payload []byte) (decoded, error) {
 		ev, err := t.Decode(payload)
 		if err != nil {
 			return decoded{}, err
 		}
 		d := decoded{id: ev.EventID(), value: ev}
-		d.fingerprint, d.fingerprintErr = fingerprint(ev, payload)
+		if d.fingerprint, err = fingerprint(ev, payload); err != nil {
+			// The type fingerprints its zero value (checked at start-up),
+			// so it is this event's values that cannot be written down:
+			// the message's fault, dead-lettered with the reason. Held,
+			// it would stop its partition for ever.
+			return decoded{}, fmt.Errorf("the event's values cannot be fingerprinted: %w", err)
+		}
 		return d, nil
 	}
 	seen := map[string]bool{}

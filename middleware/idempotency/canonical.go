@@ -3,147 +3,93 @@ package idempotency
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/json"
-	"errors"
-	"fmt"
 	"slices"
-	"strconv"
-	"strings"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
 // PayloadSHA256 is the default Config.Fingerprint: the SHA-256 of the
-// payload's [CanonicalJSON], or of its bytes when it is not JSON.
+// payload's [CanonicalJSON], or of its bytes when CanonicalJSON refuses it
+// (not JSON, invalid UTF-8, a repeated member name, bytes after the value).
+//
+// It knows nothing of the event's types, so a number and a string stay
+// different values: 12.5 and 12.50 are one value, 12.5 and "12.50" are two,
+// and a re-publication that writes a decimal the other way is an
+// [ErrPayloadMismatch]. Name such members with [FingerprintWithDecimals],
+// or let package pipeline fingerprint the decoded event, which knows them.
 func PayloadSHA256(msg *message.Message) ([32]byte, error) {
-	if c, err := CanonicalJSON(msg.Payload); err == nil {
-		return sha256.Sum256(c), nil
+	return payloadSHA256(msg.Payload, nil), nil
+}
+
+// FingerprintWithDecimals is a Config.Fingerprint for events whose top-level
+// members named in fields are decimals, which producers write as a JSON
+// number or as a string (pydantic writes a Decimal as "12.50"): in those
+// members a number and a string holding a JSON number are one value, so
+// 12.5, 12.50, 1.25e1 and "12.50" are the same. A string there that is not
+// a number stays a string. Everything else is as [PayloadSHA256]. Changing a
+// group's fingerprint keeps redeliveries of the same bytes duplicates (the
+// claim keeps their hash too); only a re-publication in another byte form
+// of an event claimed before the change is then a mismatch.
+func FingerprintWithDecimals(fields ...string) func(msg *message.Message) ([32]byte, error) {
+	names := slices.Clone(fields)
+	return func(msg *message.Message) ([32]byte, error) {
+		return payloadSHA256(msg.Payload, names), nil
 	}
-	return sha256.Sum256(msg.Payload), nil
+}
+
+func payloadSHA256(payload []byte, decimals []string) [32]byte {
+	c := getCanonicalizer()
+	defer putCanonicalizer(c)
+	c.out = c.out[:0]
+	if err := c.run(payload, decimals); err != nil {
+		// Not a JSON value this package can write one way: its bytes are
+		// its values. No canonical form is equal to such bytes, since
+		// CanonicalJSON takes its own output back unchanged.
+		return sha256.Sum256(payload)
+	}
+	return sha256.Sum256(c.out)
 }
 
 // CanonicalJSON rewrites one JSON value so that two encodings of the same
-// values are the same bytes: object members sorted by name, no insignificant
-// space, numbers as exact decimals without redundant zeros (12.5, 12.50 and
-// 1.25e1 are one number), and strings that are RFC 3339 times as the same
-// instant in UTC (Z, +00:00 and +02:00 name one instant three ways). A
-// number and a string stay different values: whether "12.50" is a number is
-// for the event's decoder to say, and a decoded event marshals it one way.
+// values are the same bytes, and two different values never are:
+//
+//   - object members sorted by name (by their UTF-8 bytes), no
+//     insignificant space;
+//   - numbers as exact decimals without redundant zeros: 12.5, 12.50 and
+//     1.25e1 are one number, written 125e-1; the exponent may be of any
+//     size (1e9999999999 and 10e9999999998 are one number, -1e9999999999
+//     another), and no number goes through a float;
+//   - strings that are RFC 3339 times (2006-01-02T15:04:05, an optional
+//     fraction of any length, then Z or an offset such as +02:00) as the
+//     same instant in UTC with every fraction digit kept and trailing zeros
+//     trimmed: Z, +00:00 and +02:00 name one instant three ways. An instant
+//     whose UTC year is not between 0000 and 9999 is written with the
+//     smallest offset that brings it back into those years, so that it is
+//     still a time and no other string can be written the same;
+//   - strings written as encoding/json writes them, except that a lone
+//     surrogate escape (\ud800 without its pair) is kept as its escape:
+//     it is another value than U+FFFD and than any other surrogate.
+//
+// A number and a string stay different values: whether "12.50" is a number
+// is for the event's decoder to say (package pipeline fingerprints the
+// decoded event) or for [FingerprintWithDecimals].
+//
+// It refuses what it cannot write one way rather than merge two values:
+// invalid JSON, invalid UTF-8 (JSON text is UTF-8; decoders replace bad
+// bytes with U+FFFD, which would make "M\xfcller" and "M\xe4ller" one
+// value), a member name repeated in one object (decoders keep the first or
+// the last), anything but space after the value, and nesting deeper than
+// 10000. Its own output it returns unchanged.
 func CanonicalJSON(b []byte) ([]byte, error) {
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, fmt.Errorf("idempotency: canonical JSON: %w", err)
-	}
-	if _, err := dec.Token(); err == nil {
-		return nil, errors.New("idempotency: canonical JSON: more than one value")
-	}
-	var out bytes.Buffer
-	out.Grow(len(b))
-	if err := writeCanonical(&out, v); err != nil {
+	c := getCanonicalizer()
+	defer putCanonicalizer(c)
+	c.out = make([]byte, 0, len(b))
+	if err := c.run(b, nil); err != nil {
 		return nil, err
 	}
-	return out.Bytes(), nil
-}
-
-func writeCanonical(out *bytes.Buffer, v any) error {
-	switch v := v.(type) {
-	case map[string]any:
-		names := make([]string, 0, len(v))
-		for name := range v {
-			names = append(names, name)
-		}
-		slices.Sort(names)
-		out.WriteByte('{')
-		for i, name := range names {
-			if i > 0 {
-				out.WriteByte(',')
-			}
-			writeString(out, name)
-			out.WriteByte(':')
-			if err := writeCanonical(out, v[name]); err != nil {
-				return err
-			}
-		}
-		out.WriteByte('}')
-	case []any:
-		out.WriteByte('[')
-		for i, e := range v {
-			if i > 0 {
-				out.WriteByte(',')
-			}
-			if err := writeCanonical(out, e); err != nil {
-				return err
-			}
-		}
-		out.WriteByte(']')
-	case json.Number:
-		out.WriteString(canonicalNumber(string(v)))
-	case string:
-		writeString(out, canonicalString(v))
-	case bool:
-		out.WriteString(strconv.FormatBool(v))
-	case nil:
-		out.WriteString("null")
-	default:
-		return fmt.Errorf("idempotency: canonical JSON: unexpected %T", v)
-	}
-	return nil
-}
-
-func writeString(out *bytes.Buffer, s string) {
-	b, _ := json.Marshal(s) // a string always marshals
-	out.Write(b)
-}
-
-// canonicalString is s, or, when s is an RFC 3339 time, that instant in UTC.
-func canonicalString(s string) string {
-	// Cheap test first: most strings are not times.
-	if len(s) < len("2006-01-02T15:04:05Z") || s[4] != '-' || s[0] < '0' || s[0] > '9' {
-		return s
-	}
-	t, err := time.Parse(time.RFC3339Nano, s)
-	if err != nil {
-		return s
-	}
-	return t.UTC().Format(time.RFC3339Nano)
-}
-
-// canonicalNumber writes a JSON number exactly, as sign, significant digits
-// and a power of ten: 12.50 -> 125e-1, 0.0 -> 0. The text is never
-// converted to a float, so no digit is lost.
-func canonicalNumber(n string) string {
-	neg := strings.HasPrefix(n, "-")
-	n = strings.TrimPrefix(n, "-")
-	mantissa, exp := n, int64(0)
-	if i := strings.IndexAny(n, "eE"); i >= 0 {
-		e, err := strconv.ParseInt(strings.TrimPrefix(n[i+1:], "+"), 10, 32)
-		if err != nil {
-			return n // an exponent beyond int32: keep the text as it came
-		}
-		mantissa, exp = n[:i], e
-	}
-	digits := mantissa
-	if i := strings.IndexByte(mantissa, '.'); i >= 0 {
-		digits = mantissa[:i] + mantissa[i+1:]
-		exp -= int64(len(mantissa) - i - 1)
-	}
-	digits = strings.TrimLeft(digits, "0")
-	trimmed := strings.TrimRight(digits, "0")
-	exp += int64(len(digits) - len(trimmed))
-	if trimmed == "" {
-		return "0"
-	}
-	sign := ""
-	if neg {
-		sign = "-"
-	}
-	if exp == 0 {
-		return sign + trimmed
-	}
-	return sign + trimmed + "e" + strconv.FormatInt(exp, 10)
+	out := c.out
+	c.out = nil
+	return out, nil
 }
 
 // fingerprints are what a claim stores of its event: the SHA-256 of the

@@ -31,10 +31,30 @@
 //     (Config.MaxEventAge, checked at every first claim on the database's
 //     clock; a duplicate is a duplicate whatever its age).
 //   - The key is the event's own id (R-KFK-IDEM-1), never a Kafka offset
-//     (R-KFK-IDEM-X2). The same id with a different payload is reported as
-//     [ErrPayloadMismatch], not skipped. An event whose producer sends ids
-//     of its own gets a UUIDv7 derived from that id and a time it carries
-//     ([DeriveEventID], in a Config.Key).
+//     (R-KFK-IDEM-X2). The same id with other values is reported as
+//     [ErrPayloadMismatch], not skipped (see Fingerprints). An event whose
+//     producer sends ids of its own gets a UUIDv7 derived from that id and a
+//     time it carries ([DeriveEventID], in a Config.Key).
+//
+// # Fingerprints
+//
+// A claim stores the SHA-256 of the payload's bytes and of its values in
+// canonical form (Config.Fingerprint). A redelivery under a claimed id is a
+// duplicate when either matches, and a mismatch when neither does, so the
+// canonical form must never make two different values one: [CanonicalJSON]
+// refuses what it cannot write one way (invalid UTF-8, a repeated member
+// name, bytes after the value), and the payload's bytes then stand for its
+// values. Which byte forms are one value:
+//
+//   - [PayloadSHA256], the default, knows JSON only: member order, space,
+//     12.5 or 12.50, Z or +00:00 for one instant are one value; the number
+//     12.5 and the string "12.50" are two.
+//   - [FingerprintWithDecimals] names the members that are decimals: there
+//     a number and a string holding a number are one value.
+//   - Package pipeline fingerprints the decoded event, which knows its
+//     types: "12.50" and 12.5 decoded into one decimal are one value (an
+//     event type encoding/json cannot see whole: its payload, as
+//     PayloadSHA256).
 //
 // # Errors
 //

@@ -87,13 +87,22 @@ type Config struct {
 	// Fingerprint is the SHA-256 of what the event says, in a canonical
 	// form, stored with its claim beside the SHA-256 of the payload's bytes.
 	// A later delivery under the same id is a duplicate when either matches
-	// (the same bytes, or the same values in another byte form: member
-	// order, a time zone offset, 12.5 or "12.50"), and [ErrPayloadMismatch]
-	// when neither does. The bytes' hash keeps a redelivery a duplicate when
-	// the values' form changed in between (a field added to the event's
-	// type, a rolling deploy); a claim from a release that stored no
-	// fingerprint matches its bytes. Package pipeline fingerprints the
-	// decoded event. Default: [PayloadSHA256].
+	// (the same bytes, or the same values in another byte form), and
+	// [ErrPayloadMismatch] when neither does. The bytes' hash keeps a
+	// redelivery a duplicate when the values' form changed in between (a
+	// field added to the event's type, a rolling deploy); a claim from a
+	// release that stored no fingerprint matches its bytes.
+	//
+	// Which byte forms are one value depends on the function. The default,
+	// [PayloadSHA256], knows JSON and not the event's types: member order,
+	// space, 12.5 or 12.50 or 1.25e1, Z or +00:00 for one instant are one
+	// value, but the number 12.5 and the string "12.50" are two (a decimal
+	// re-published the other way is a mismatch). [FingerprintWithDecimals]
+	// names the members that are decimals, whichever way they are written.
+	// Package pipeline fingerprints the decoded event, which knows its
+	// types (see pipeline.Topic). An error fails the attempt, not
+	// permanent (hold and retry) unless it is marked [Permanent]; the
+	// functions of this package never fail. Default: [PayloadSHA256].
 	Fingerprint func(msg *message.Message) ([32]byte, error)
 
 	// Schema and Table name the claim table, created by package schema.
@@ -367,11 +376,12 @@ func milliseconds(d time.Duration) *string {
 
 // Middleware wraps h as described in the package documentation. Errors it
 // returns are permanent ([IsPermanent]: an invalid key, [ErrPayloadMismatch],
-// an event outside the dedup horizon, a [*RejectedError], or what the
-// handler marked so with [Permanent]), or else the error of an attempt that
-// rolled back and may pass when tried again (the database, a constraint or
-// a value the server refused, the network, the handler's other failures, and
-// anything after an external effect).
+// an event outside the dedup horizon, a [*RejectedError], what the handler
+// marked [Permanent] or returned through [RejectAfterCommit]), or else the
+// error of an attempt that rolled back and may pass when tried again (the
+// database, its data errors (SQLSTATE class 22 and 23) included, the
+// network, the handler's other failures, and anything after an external
+// effect).
 func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		start := time.Now()
@@ -395,8 +405,8 @@ func (m *Middleware) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		res.EventID = key
 		sum, err := m.cfg.Fingerprint(msg)
 		if err != nil {
-			// The event decoded but its values cannot be written down: a
-			// bug of its type, not of the message. Held until fixed.
+			// The function's failure, not the message's, unless it
+			// says so (Permanent): held until fixed.
 			err = fmt.Errorf("idempotency: fingerprint of %s: %w", key, err)
 			report(Failed, err)
 			return nil, err
