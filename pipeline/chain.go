@@ -86,8 +86,8 @@ func EventFrom[E Event](ctx context.Context) (ev E, ok bool) {
 }
 
 // delivered reports the delivery and remembers the context the subscriber
-// gave the message: its end is the shutdown's, whatever contexts a team's
-// middleware puts in front of it later.
+// gave the message and where it came from, whatever contexts a team's
+// middleware puts in front of it later: see stopped.
 func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -139,10 +139,20 @@ func (p *Pipeline) stopped(msg *message.Message) bool {
 		return true
 	default:
 	}
-	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok && d.orig.Err() != nil {
+	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok && d.subscriptionEnded() {
 		return true
 	}
 	return p.router != nil && p.router.IsClosed()
+}
+
+// subscriptionEnded: the subscription that delivered the message ended. The
+// context our subscriber gives a message ends at its partition's
+// revocation too, which is no shutdown: its subscription's is asked.
+func (d *deliveryInfo) subscriptionEnded() bool {
+	if d.claim.subscription != nil {
+		return d.claim.subscription.Err() != nil
+	}
+	return d.orig.Err() != nil
 }
 
 // releaseRevoked acknowledges a message given up because its partition was
@@ -339,7 +349,7 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 						// context ran out (a team's Timeout in Observe):
 						// every attempt on it would end at once. Give it
 						// back; it comes again with a fresh context.
-						return nil, fmt.Errorf("%w: %w", errMessageContextDone, err)
+						return nil, fmt.Errorf("%w: %w", p.whyEnded(msg, revoked), err)
 					}
 					continue
 				}
@@ -386,7 +396,7 @@ func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.D
 		return ErrRevoked
 	}
 	if msg.Context().Err() != nil {
-		return errMessageContextDone
+		return p.whyEnded(msg, revoked)
 	}
 	msgDone := msg.Context().Done()
 	timer := time.NewTimer(d)
@@ -398,15 +408,24 @@ func (p *Pipeline) pause(msg *message.Message, revoked <-chan struct{}, d time.D
 	case <-p.stopping:
 		return errShutdown
 	case <-msgDone:
-		if p.stopped(msg) {
-			return errShutdown
-		}
-		// A team's middleware (a Watermill Timeout in Observe) ended it:
-		// every attempt on it would fail. Give it back unacknowledged; the
-		// subscriber resends it with a fresh context.
-		return errMessageContextDone
+		return p.whyEnded(msg, revoked)
 	}
 	return nil
+}
+
+// whyEnded says why msg's context ended: the shutdown, its partition's
+// revocation (the subscriber ends a message's context with its session),
+// or else a team's middleware (a Watermill Timeout in Observe), after which
+// every attempt on it would fail: it is given back unacknowledged, and the
+// subscriber resends it with a fresh context.
+func (p *Pipeline) whyEnded(msg *message.Message, revoked <-chan struct{}) error {
+	if p.stopped(msg) {
+		return errShutdown
+	}
+	if isClosed(revoked) {
+		return ErrRevoked
+	}
+	return errMessageContextDone
 }
 
 // errMessageContextDone gives a message back for redelivery: its context

@@ -38,6 +38,10 @@ import (
 // A partition's consumption ends with its session: messages still in flight
 // are not waited for (their offsets are not marked; the partition's next
 // owner receives them again), so no slow message holds a rebalance up.
+//
+// Each message's context ends as soon as the message is acknowledged or
+// given back, when its partition's session ends, and with the
+// subscription: whatever a handler started on it stops with it.
 type subscriber struct {
 	brokers []string
 	group   string
@@ -305,7 +309,8 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 				}
 				return nil
 			}
-			m := &handedOut{km: km, msg: h.message(km, owner)}
+			m := &handedOut{km: km}
+			m.msg, m.settle = h.message(km, owner)
 			select {
 			case inFlight <- m:
 			case <-owner.Done():
@@ -328,13 +333,16 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 type handedOut struct {
 	km  *sarama.ConsumerMessage
 	msg *message.Message
+	// settle ends msg's context.
+	settle context.CancelFunc
 }
 
 // ack waits for the partition's messages in order: an acknowledged one
 // marks its offset; one given back (a shutdown, a revocation, a
 // middleware's timeout) is handed out again, as watermill-kafka does. A
 // message given back behind one still in flight is handed out again when
-// its turn comes.
+// its turn comes. Each message's context ends here when its turn comes,
+// and sooner when a watcher of its own saw it settled (see sendLocked).
 func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, f *feed, inFlight <-chan *handedOut) {
 	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
 	for {
@@ -357,7 +365,8 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 				case <-h.ctx.Done():
 					return
 				}
-				m.msg = h.message(m.km, owner)
+				m.settle()
+				m.msg, m.settle = h.message(m.km, owner)
 				if !h.handOut(f, m.msg) {
 					return
 				}
@@ -369,6 +378,7 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 			}
 			break
 		}
+		m.settle()
 		if owner.Err() == nil {
 			sess.MarkOffset(m.km.Topic, m.km.Partition, m.km.Offset+1, "")
 			if commitEach {
@@ -378,11 +388,18 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 	}
 }
 
-// message makes the Watermill message of km, owned by the session.
-func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context) *message.Message {
+// message makes the Watermill message of km, owned by the session. Its
+// context ends with the session (whose context is the subscription's
+// child), or sooner by settle, once the message is acknowledged or given
+// back: goroutines a handler started on it must not live on until the
+// shutdown. Nothing of the pipeline works on a message's context after
+// that: the router acknowledges a message once its chain returned, a batch
+// after its commit, and the claim's commit runs on a context of its own.
+func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context) (*message.Message, context.CancelFunc) {
 	msg, _ := unmarshaler{}.Unmarshal(km) // never fails
-	msg.SetContext(context.WithValue(h.ctx, claimCtxKey{}, claimInfo{owner: owner, topic: km.Topic, partition: km.Partition}))
-	return msg
+	ctx, settle := context.WithCancel(owner)
+	msg.SetContext(context.WithValue(ctx, claimCtxKey{}, claimInfo{owner: owner, subscription: h.ctx, topic: km.Topic, partition: km.Partition, settle: settle}))
+	return msg, settle
 }
 
 // handOut gives msg to the router, announced first (a batched group's
@@ -417,6 +434,13 @@ func (f *feed) sendLocked(msg *message.Message) bool {
 	var revoked <-chan struct{}
 	if c, ok := claimOf(msg); ok {
 		revoked = c.owner.Done()
+		if f.window > 1 {
+			// Messages of a window are acknowledged in any order, and the
+			// acker sees one only when its turn comes: one behind a held
+			// message would keep its context for as long. Watched from
+			// before the router has it, which may set its context.
+			watch(msg, c.settle)
+		}
 	}
 	select {
 	case f.out <- msg:
@@ -428,14 +452,39 @@ func (f *feed) sendLocked(msg *message.Message) bool {
 	}
 }
 
+// watch ends msg's context by settle as soon as msg is acknowledged or
+// given back. A goroutine per message, so only for a window's messages
+// that go to the router: a window of 1 has its one message in flight
+// watched by the acker, and a batch acknowledges its messages all at once,
+// in their partition's order.
+func watch(msg *message.Message, settle context.CancelFunc) {
+	if settle == nil {
+		return
+	}
+	done := msg.Context().Done()
+	go func() {
+		select {
+		case <-msg.Acked():
+		case <-msg.Nacked():
+		case <-done:
+		}
+		settle()
+	}()
+}
+
 type claimCtxKey struct{}
 
 // claimInfo is where a message came from, and the session that owns its
 // partition: its end is the partition's revocation.
 type claimInfo struct {
-	owner     context.Context
-	topic     string
-	partition int32
+	owner context.Context
+	// subscription, when set, is the subscription's context: its end is
+	// the shutdown. The message's context ends sooner: with owner, and
+	// once the message is settled (settle; nil for none).
+	subscription context.Context
+	settle       context.CancelFunc
+	topic        string
+	partition    int32
 }
 
 func claimOf(msg *message.Message) (claimInfo, bool) {
@@ -468,7 +517,11 @@ func revokedOf(msg *message.Message) <-chan struct{} {
 // NewSubscriber returns the pipeline's Kafka subscriber for one consumer
 // group on one topic, on its own: at most window messages of a partition in
 // flight, offsets committed every second up to the first unacknowledged
-// message. It is subscribed once, to one topic.
+// message. It is subscribed once, to one topic. A message's context ends
+// once it is acknowledged or nacked, when its partition is revoked from
+// this member, and when the subscription ends. It passes Watermill's Pub/Sub
+// test suite (pubsub/tests) but for the tests of several subscriptions on
+// one subscriber.
 // Pipelines make their own; this is for tools that measure the pipeline
 // against the bare subscriber, and for chains built by hand.
 func NewSubscriber(brokers []string, group, kafkaVersion string, sec KafkaSecurity, window int, logger *slog.Logger) (message.Subscriber, error) {

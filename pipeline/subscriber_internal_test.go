@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"testing"
 	"time"
@@ -36,5 +37,44 @@ func TestAFailedSubscriptionClosesTheGroupsOtherTopics(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("topic a's channel stayed open after the group's subscription failed")
+	}
+}
+
+// The subscriber ends a message's context with its partition's session,
+// which is no shutdown: a message whose partition was revoked pauses no
+// more and is given up as revoked (acknowledged unmarked, for the new
+// owner), and only the subscription's end is a shutdown. Judged by the
+// context alone, as before, the revocation was a shutdown.
+func TestTheEndOfAMessagesSessionIsARevocationNotAShutdown(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		end  func(session, subscription context.CancelFunc)
+		want error
+	}{
+		{"its session ended", func(session, _ context.CancelFunc) { session() }, ErrRevoked},
+		{"the subscription ended", func(_, subscription context.CancelFunc) { subscription() }, errShutdown},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			subscription, endSubscription := context.WithCancel(context.Background())
+			defer endSubscription()
+			session, endSession := context.WithCancel(subscription) // as sarama derives it
+			defer endSession()
+			h := &claimHandler{s: newSubscriber(nil, "g", sarama.NewConfig(), slog.New(slog.DiscardHandler)), ctx: subscription}
+			msg, settle := h.message(&sarama.ConsumerMessage{Topic: "t", Partition: 0, Offset: 7}, session)
+			defer settle()
+			// What the chain's first stage remembers of the delivery.
+			orig := msg.Context()
+			info, _ := claimOf(msg)
+			msg.SetContext(context.WithValue(orig, deliveryCtxKey{}, &deliveryInfo{orig: orig, claim: info}))
+			p := &Pipeline{stopping: make(chan struct{})}
+
+			c.end(endSession, endSubscription)
+			if msg.Context().Err() == nil {
+				t.Fatal("the message's context did not end")
+			}
+			if err := p.pause(msg, revokedOf(msg), time.Hour); !errors.Is(err, c.want) {
+				t.Fatalf("pause after %s: %v; want %v", c.name, err, c.want)
+			}
+		})
 	}
 }
