@@ -172,6 +172,10 @@ SELECT event_id, consumer_group FROM %[1]s WHERE payload_sha256 IS NULL AND proc
 	recentWithoutFingerprintSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE payload_sha256 IS NULL AND processed_at >= $1)`
 )
 
+// errKeep rolls back the detach of a day's partition that, seen under the
+// detach's lock, holds a claim to keep.
+var errKeep = errors.New("retention: the partition holds a recent claim without a fingerprint")
+
 // errLeaseLost stops a pass whose lease another instance took (it outlived
 // the lease without renewing it): the other instance works now.
 var errLeaseLost = errors.New("retention: the maintenance lease was taken by another instance; this pass stops")
@@ -353,6 +357,16 @@ func (d ddlRunner) plain(ctx context.Context, stmt string) error {
 }
 
 func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
+	return d.execTx(ctx, what, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, stmt)
+		return err
+	})
+}
+
+// execTx runs f in one transaction whose every lock wait is bounded by the
+// lock timeout, tried again as exec is: what f checks under the locks its
+// DDL took holds when it commits.
+func (d ddlRunner) execTx(ctx context.Context, what string, f func(pgx.Tx) error) error {
 	wait := 200 * time.Millisecond
 	for attempt := 0; ; attempt++ {
 		if err := d.lease.renew(ctx); err != nil {
@@ -362,8 +376,7 @@ func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
 			if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", strconv.FormatInt(d.timeout.Milliseconds(), 10)); err != nil {
 				return err
 			}
-			_, err := tx.Exec(ctx, stmt)
-			return err
+			return f(tx)
 		})
 		var pgErr *pgconn.PgError
 		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" || attempt >= d.retries {
@@ -420,7 +433,9 @@ WHERE ns.nspname = $1 AND c.relkind = 'r' AND c.relname LIKE $2`, n.schema, stri
 // takes none. DETACH ... CONCURRENTLY would take a weaker lock, but
 // PostgreSQL refuses it on a table with a default partition, and the default
 // partition is what holds claims outside daily partitions (and every claim in
-// delete mode).
+// delete mode). A day whose partition holds a claim without a fingerprint
+// processed within the retention is kept (Report.Kept), decided under the
+// detach's lock.
 func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, rep *Report) error {
 	tables, err := dailyTables(ctx, ddl.db, n)
 	if err != nil {
@@ -437,18 +452,44 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 		}
 		qualified := pgx.Identifier{n.schema, name}.Sanitize()
 		if attached {
-			var recent bool
-			if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error {
-				return tx.QueryRow(ctx, fmt.Sprintf(recentWithoutFingerprintSQL, qualified), cutoff).Scan(&recent)
-			}); err != nil {
+			recent := fmt.Sprintf(recentWithoutFingerprintSQL, qualified)
+			// A first look, without a lock: a day kept for its recent
+			// claims is kept at every pass without the claim table's
+			// exclusive lock.
+			var kept bool
+			if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error { return tx.QueryRow(ctx, recent, cutoff).Scan(&kept) }); err != nil {
 				return fmt.Errorf("retention: look for recent claims without a fingerprint in %s: %w", name, err)
 			}
-			if recent {
+			// The look that decides comes after the detach, in its
+			// transaction: the first cannot see a claim whose transaction
+			// is still open (the guide's consumer, which checks no
+			// horizon, claiming an old event in this day), and the detach
+			// waits for that transaction's lock. Once it committed, this
+			// look sees its claim, and the detach is rolled back: a day
+			// dropped with it would let a redelivery run its effect again.
+			// Detaching first takes the claim table's lock before the
+			// partition's, the order a claim takes them in, so the two
+			// cannot deadlock.
+			if !kept {
+				err := ddl.execTx(ctx, "detach "+name, func(tx pgx.Tx) error {
+					if _, err := tx.Exec(ctx, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
+						return err
+					}
+					if err := tx.QueryRow(ctx, recent, cutoff).Scan(&kept); err != nil {
+						return fmt.Errorf("look for recent claims without a fingerprint: %w", err)
+					}
+					if kept {
+						return errKeep
+					}
+					return nil
+				})
+				if err != nil && !errors.Is(err, errKeep) {
+					return err
+				}
+			}
+			if kept {
 				rep.Kept = append(rep.Kept, name)
 				continue
-			}
-			if err := ddl.exec(ctx, "detach "+name, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
-				return err
 			}
 		}
 		if err := ddl.plain(ctx, "DROP TABLE IF EXISTS "+qualified); err != nil {

@@ -520,3 +520,79 @@ func TestClaimsWithoutAFingerprintAgeOutByProcessedAt(t *testing.T) {
 		t.Errorf("on 08-16 the claims left are [%s]; want none", got)
 	}
 }
+
+// The guide's consumer, which checks no horizon, claims an old event in an
+// expired day's partition, and its transaction is still open when a pass
+// looks for recent claims without a fingerprint there: the look cannot see
+// it, and the pass's detach waits for the transaction's lock. The claim
+// commits while the detach waits; the pass sees it under the detach's lock
+// and keeps the day. Before, the day was detached and dropped with the
+// claim just committed, and a redelivery of the event ran its effect again.
+func TestAClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := namedClaimTable(t, pool)
+	now := at("2025-07-01T12:00:00Z")
+	// A lock timeout longer than the test's wait: the detach waits for the
+	// claim in one attempt.
+	cfg := retention.Config{DB: pool, Tables: names, Retention: 7 * 24 * time.Hour, LockTimeout: 20 * time.Second,
+		Now: func() time.Time { return now }}
+	run(t, cfg) // claims_p20250701..03
+	id := v7At(at("2025-07-01T10:00:00Z"))
+
+	// consume.py's claim: INSERT ... ON CONFLICT DO NOTHING, then its
+	// business write, then the commit; processed_at is now.
+	claim, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = claim.Rollback(ctx) }()
+	if _, err := claim.Exec(ctx, `INSERT INTO `+names.Claims().Qualified+` (event_id, consumer_group) VALUES ($1, 'seed-reports') ON CONFLICT DO NOTHING`, id); err != nil {
+		t.Fatal(err)
+	}
+	now = at("2025-07-10T12:00:00Z") // every id of 07-01..02 older than the retention
+	type result struct {
+		rep retention.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := retention.Run(ctx, cfg)
+		done <- result{rep, err}
+	}()
+	// The fault: the detach of 07-01 waits for the open claim's lock.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%DETACH PARTITION%' AND query LIKE '%' || $1 || '%claims_p20250701%'`, names.Schema).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pass's detach of claims_p20250701 never waited for the open claim")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := claim.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	var left int
+	var partition string
+	if err := pool.QueryRow(ctx, `SELECT count(*), coalesce(max(tableoid::regclass::text), '') FROM `+names.Claims().Qualified+` WHERE event_id = $1`, id).Scan(&left, &partition); err != nil {
+		t.Fatal(err)
+	}
+	if left != 1 || fmt.Sprint(r.rep.Kept) != "[claims_p20250701]" || fmt.Sprint(r.rep.Dropped) != "[claims_p20250702]" {
+		t.Fatalf("claims of the event left: %d (in %q); kept %v, dropped %v; want the claim committed during the detach kept in its day, claims_p20250701 kept, claims_p20250702 dropped",
+			left, partition, r.rep.Kept, r.rep.Dropped)
+	}
+	if partition != names.Schema+".claims_p20250701" {
+		t.Fatalf("the claim is in %s; want its day's partition, still attached", partition)
+	}
+}
