@@ -97,8 +97,12 @@ func fromTheGuidesConsumer(t *testing.T, name, ddl string) {
 	}
 
 	// The switch: app migrate takes the claims over, app serve the group.
+	// No job ever cleaned the guide's table: it kept every claim for at
+	// least the library's retention (--guide-retention), and the events
+	// before its oldest claim that the Python side never read are not too
+	// old for the horizon.
 	env := []string{"DATABASE_URL=" + dbURL}
-	migrate := s.startEnv("migrate", env, "migrate", "--adopt-claims", "seedpeer.processed_event", "--log-format", "json")
+	migrate := s.startEnv("migrate", env, "migrate", "--adopt-claims", "seedpeer.processed_event", "--guide-retention", "168h", "--log-format", "json")
 	select {
 	case <-migrate.done:
 	case <-time.After(time.Minute):

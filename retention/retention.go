@@ -46,6 +46,18 @@ type Config struct {
 	Mode Mode
 	// Retention of claims. Default [DefaultRetention].
 	Retention time.Duration
+	// GuideRetention is how long the style guide's claim table that was
+	// adopted into this one (schema.Migrate, schema.AdoptClaims) kept its
+	// claims: its cleanup job's retention (a table no job cleaned: at
+	// least Retention). When [Agree] records the first retention of a
+	// claim table holding claims without a fingerprint, the dedup horizon
+	// starts as far back as they reach, this or the time since the oldest
+	// was processed if longer (schema.AdoptedCoverage), and widens as the
+	// library's own claims reach back. Nothing else reads it. It may not be
+	// longer than Retention: the guide's consumer checks no horizon, and
+	// claiming in the adopted table, it relies on its claims for as long
+	// as its cleanup kept them. Default 0: as far as the oldest reaches.
+	GuideRetention time.Duration
 	// DaysAhead: partitions exist for today and this many days after. Default 2.
 	DaysAhead int
 	// BatchSize of each delete in the default partition. Default 5000.
@@ -104,6 +116,10 @@ func (c Config) Validate() error {
 	}
 	if c.Retention < 24*time.Hour {
 		errs = append(errs, fmt.Errorf("retention: retention %s is shorter than one day, the partition size", c.Retention))
+	}
+	if c.GuideRetention < 0 || c.GuideRetention > c.Retention {
+		errs = append(errs, fmt.Errorf("retention: GuideRetention %s: want from 0 to the retention, %s: the guide's consumer, claiming in the adopted "+
+			"table, checks no horizon, and retention would delete its claims before its own cleanup did; keep claims at least as long", c.GuideRetention, c.Retention))
 	}
 	if c.DaysAhead < 1 || c.BatchSize < 1 || c.LockRetries < 0 || c.LockTimeout < 0 {
 		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1, LockTimeout and LockRetries not negative"))
@@ -614,7 +630,10 @@ var ErrRetentionDisagrees = errors.New("retention: the retention differs from th
 // maintenance deletes by its own, and if maintenance's were shorter it would
 // delete claims the consumers still rely on to skip a redelivery. Serve and
 // maintain both call it at start-up; change the retention on purpose with
-// [SetRetention].
+// [SetRetention]. A first record over claims adopted from the style guide's
+// table starts the dedup horizon where they reach (Config.GuideRetention):
+// run it, with the guide's retention, right after the migration that
+// adopted them (app migrate does), before a consumer starts.
 func Agree(ctx context.Context, cfg Config) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -634,9 +653,13 @@ func Agree(ctx context.Context, cfg Config) error {
 	// already recorded.
 	err := read()
 	if errors.Is(err, pgx.ErrNoRows) {
+		// Claims without a fingerprint in the table were adopted from the
+		// style guide's (or made by its consumer since): they cover only
+		// as far back as the guide kept them, and the horizon starts there.
 		if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-				table, int64(cfg.Retention.Seconds()))
+			_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds, covered_seconds)
+SELECT $1, $2, (SELECT `+schema.AdoptedCoverage("$3")+` FROM `+cfg.Tables.Claims().Qualified+` WHERE payload_sha256 IS NULL)
+ON CONFLICT DO NOTHING`, table, int64(cfg.Retention.Seconds()), int64(cfg.GuideRetention.Seconds()))
 			return err
 		}); err != nil {
 			var pgErr *pgconn.PgError

@@ -596,3 +596,19 @@ func TestAClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T) {
 		t.Fatalf("the claim is in %s; want its day's partition, still attached", partition)
 	}
 }
+
+// The style guide's retention, told for an adoption, may not be longer than
+// the library's: claiming in the adopted table, the guide's consumer checks
+// no horizon and relies on its claims for as long as its cleanup kept them.
+func TestAGuidesRetentionLongerThanTheLibrarysIsRefused(t *testing.T) {
+	cfg := retention.Config{DB: testenv.Postgres(t), Retention: 7 * 24 * time.Hour}
+	for _, tc := range []struct {
+		guide time.Duration
+		ok    bool
+	}{{0, true}, {7 * 24 * time.Hour, true}, {30 * 24 * time.Hour, false}, {-time.Hour, false}} {
+		cfg.GuideRetention = tc.guide
+		if err := cfg.Validate(); (err == nil) != tc.ok || !tc.ok && !strings.Contains(err.Error(), "GuideRetention "+tc.guide.String()) {
+			t.Errorf("GuideRetention %s: %v; want accepted: %v, else refused by name", tc.guide, err, tc.ok)
+		}
+	}
+}

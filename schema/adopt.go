@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -322,10 +323,23 @@ var fromName = regexp.MustCompile(`^([A-Za-z_][A-Za-z0-9_$]{0,62})\.([A-Za-z_][A
 // returns the number of claims copied. Run it after the guide's consumers
 // of the groups that switch stopped, and before their once groups start: a
 // claim made after the copy is not in it. The guide's table is not changed.
-func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string) (int64, error) {
+//
+// The copied claims reach back only as far as the guide's table kept them:
+// guideRetention, its cleanup job's retention (a table no job cleaned:
+// the library's retention), or the time since its oldest claim was
+// processed if that is longer ([AdoptedCoverage]). Where the retention is
+// recorded (retention.Agree), the claim table's dedup horizon is narrowed
+// to that, for every group of the table, and widens again as the library's
+// own claims reach back: an event older than it is refused, not run again
+// (its claim may have been deleted by the guide's cleanup). A guide's
+// table without a claim changes no horizon.
+func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string, guideRetention time.Duration) (int64, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return 0, err
+	}
+	if guideRetention < 0 {
+		return 0, fmt.Errorf("schema: adopt claims from %q: the guide's retention %s is negative", from, guideRetention)
 	}
 	m := fromName.FindStringSubmatch(from)
 	if m == nil {
@@ -361,10 +375,22 @@ func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string) (int6
 			return fmt.Errorf("schema: copy the claims of %s into %s: %w", source, claims, err)
 		}
 		copied = tag.RowsAffected()
+		if _, err := tx.Exec(ctx, fmt.Sprintf(narrowCoverageSQL, cfg.RetentionPolicy().Qualified, source.Qualified),
+			claims.Name, int64(guideRetention.Seconds())); err != nil {
+			return fmt.Errorf("schema: narrow the dedup horizon of %s to what the claims of %s cover: %w", claims, source, err)
+		}
 		return nil
 	})
 	return copied, err
 }
+
+// narrowCoverageSQL narrows the recorded coverage of the claim table ($1)
+// to what the claims of the guide's table (%[2]s) cover, $2 being its
+// retention in seconds, when they cover less: covered_seconds from now.
+// %[1]s: the retention policy table.
+var narrowCoverageSQL = `UPDATE %[1]s AS p SET covered_seconds = a.covered, set_at = now()
+FROM (SELECT ` + AdoptedCoverage("$2") + ` AS covered FROM %[2]s) AS a
+WHERE p.claim_table = $1 AND a.covered < ` + CoveredRetention("p")
 
 // adoptExisting makes an existing claim table of shape s ready for the
 // library's layout (see adoptStatements) and returns the statements to run
