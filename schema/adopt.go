@@ -292,16 +292,35 @@ func grantStatements(ctx context.Context, row rowReader, table string) ([]string
 }
 
 // explainOwnerRefusal turns the refusal to alter a table the migrating
-// role does not own into what to do about it.
-func explainOwnerRefusal(err error, t Table, owner string) error {
+// role (migrator) does not own into what to do about it. Not ALTER TABLE
+// ... OWNER TO the migrating role: that takes the owner's privileges from
+// the table's ACL with it, and the guide's consumer, running as the owner,
+// could no longer claim, nor run its start-up DDL; granted the owner's
+// role, the migrating role acts as the owner, and the adopted table stays
+// the owner's (see handBackSQL).
+func explainOwnerRefusal(err error, t Table, owner, migrator string) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
 		return fmt.Errorf("schema: adopting %s, the style guide's claim table, needs its owner (role %s): "+
-			"run the migration as that role, or give the table to this one first (ALTER TABLE %s OWNER TO <the migrating role>): %w",
-			t, owner, t.Qualified, err)
+			"run the migration as that role, or let this one act as it first (GRANT %s TO %s), and keep that grant for app migrate and app maintain; "+
+			"the adopted table stays %s's, so the guide's consumer running as it keeps claiming there and running its start-up DDL "+
+			"(do not hand the table over with ALTER TABLE ... OWNER TO: the guide's consumer would lose its privileges on it): %w",
+			t, owner, pgx.Identifier{owner}.Sanitize(), pgx.Identifier{migrator}.Sanitize(), owner, err)
 	}
 	return err
 }
+
+// handBackSQL says whether the migrating role can give the library's claim
+// table, which it makes, to the adopted table's owner ($1), when that is
+// another role: as a superuser, or as a member of the owner's role whose
+// owner may create in the schema ($2), as PostgreSQL requires of a new
+// owner. The guide's consumer, running as the owner, then runs its
+// start-up DDL as before (CREATE INDEX ... IF NOT EXISTS on its table
+// checks that it owns it first); the migrating role keeps acting as the
+// owner through its membership.
+const handBackSQL = `SELECT current_user::text, $1 <> current_user AND (
+  (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+  OR (pg_has_role(current_user, $1, 'USAGE') AND has_schema_privilege($1, $2, 'CREATE')))`
 
 // fromName is what AdoptClaims takes as its source: schema.table.
 var fromName = regexp.MustCompile(`^([A-Za-z_][A-Za-z0-9_$]{0,62})\.([A-Za-z_][A-Za-z0-9_$]{0,62})$`)
@@ -394,7 +413,8 @@ WHERE p.claim_table = $1 AND a.covered < ` + CoveredRetention("p")
 
 // adoptExisting makes an existing claim table of shape s ready for the
 // library's layout (see adoptStatements) and returns the statements to run
-// after the library's table exists: the copy and the grants.
+// after the library's table exists: the copy, the grants, and the new
+// table given to the old one's owner (handBackSQL).
 func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, cfg Config, s tableShape) (after []string, inPlace bool, err error) {
 	t := cfg.Claims()
 	how, err := adoptionOf(t, s)
@@ -402,10 +422,19 @@ func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, c
 		return nil, false, err
 	}
 	// Read before the renames (a table's privileges go with it): the
-	// roles that could use the guide's table get the same on the new one.
+	// roles that could use the guide's table get the same on the new one,
+	// its owner too, if the new one cannot be given to it.
 	grants, err := grantStatements(ctx, tx, t.Qualified)
 	if err != nil {
 		return nil, false, err
+	}
+	var migrator string
+	var handBack bool
+	if err := tx(ctx, handBackSQL, s.owner, cfg.Schema).Scan(&migrator, &handBack); err != nil {
+		return nil, false, fmt.Errorf("schema: read who may own %s: %w", t, err)
+	}
+	if handBack {
+		grants = append(grants, `ALTER TABLE `+t.Qualified+` OWNER TO `+pgx.Identifier{s.owner}.Sanitize())
 	}
 	var partitions [][2]string
 	if how == adoptByCopy {
@@ -415,7 +444,7 @@ func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, c
 	}
 	for _, st := range adoptStatements(cfg, s, how, partitions) {
 		if err := exec(st); err != nil {
-			return nil, false, explainOwnerRefusal(err, t, s.owner)
+			return nil, false, explainOwnerRefusal(err, t, s.owner, migrator)
 		}
 	}
 	if how == adoptByCopy {

@@ -3,6 +3,7 @@ package schema_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -291,27 +292,91 @@ func TestAClaimTableThatCannotBeAdoptedIsRefusedWithTheFix(t *testing.T) {
 	}
 }
 
-// The migrating role must own the guide's table to adopt it: the refusal
-// says whose it is and the statement that hands it over; after it, the
-// migration goes through.
-func TestAdoptingAnotherRolesTableSaysHow(t *testing.T) {
-	pool := testenv.Postgres(t)
-	ctx := context.Background()
-	cfg := schema.Config{Schema: freshSchema(t, pool)}
-	s := cfg.Schema
-	guide, migrator := newRole(t, pool, "guide"), newRole(t, pool, "migrator")
-	execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE, CREATE ON SCHEMA `+s+` TO `+migrator,
-		`CREATE TABLE `+s+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
-			PRIMARY KEY (event_id, consumer_group))`,
-		`ALTER TABLE `+s+`.processed_event OWNER TO `+guide)
-	asMigrator := testenv.PoolAs(t, pool, migrator)
-	_, err := schema.Migrate(ctx, asMigrator, cfg)
-	if err == nil || !strings.Contains(err.Error(), "needs its owner (role "+guide+")") || !strings.Contains(err.Error(), "OWNER TO") {
-		t.Fatalf("got %v; want a refusal naming the owner and the statement that hands the table over", err)
-	}
-	execAll(t, pool, `ALTER TABLE `+s+`.processed_event OWNER TO `+migrator)
-	if _, err := schema.Migrate(ctx, asMigrator, cfg); err != nil {
-		t.Fatalf("after handing the table over: %v", err)
+// consumeDDL is the start-up DDL of the style guide's consumer
+// (consume.py) for its claim table in schema s.
+func consumeDDL(s string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + s + `.processed_event (
+    event_id uuid NOT NULL, consumer_group text NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group));
+CREATE INDEX IF NOT EXISTS ix_seed_processed_at ON ` + s + `.processed_event(processed_at)`
+}
+
+// The guide's consumer's role made its table and owns it. Migrating as
+// another role is refused with whose table it is and the fix: a grant of
+// the owner's role to the migrating one, not the table handed over (that
+// took the owner's privileges with it). After the fix, and when a
+// superuser migrates, the adopted table stays the owner's: the guide's
+// consumer, under its own role, still claims in it and still runs its
+// start-up DDL (CREATE INDEX ... IF NOT EXISTS checks that it owns the
+// table first), and the migrating role still runs retention passes on it.
+// An owner that may no longer create in the schema cannot be given the
+// new table: it keeps its privileges on it by grants, and claims. Before,
+// after the fix the refusal gave (ALTER TABLE ... OWNER TO), the guide's
+// claim failed (permission denied) and its DDL failed (must be owner), and
+// after a superuser's migration its DDL failed.
+func TestAdoptingAnotherRolesTableLeavesItTheirs(t *testing.T) {
+	for _, tc := range []struct {
+		by         string
+		granted    bool // the migrating role is granted the owner's, as the refusal says
+		mayCreate  bool // the owner may create in the schema
+		ownerAfter string
+	}{
+		{"a role granted the owner's", true, true, "guide"},
+		{"a superuser", false, true, "guide"},
+		{"a role granted the owner's, the owner may not create in the schema", true, false, "migrator"},
+	} {
+		t.Run(tc.by, func(t *testing.T) {
+			pool := testenv.Postgres(t)
+			ctx := context.Background()
+			cfg := schema.Config{Schema: freshSchema(t, pool)}
+			s := cfg.Schema
+			guide, migrator := newRole(t, pool, "guide"), newRole(t, pool, "migrator")
+			execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE, CREATE ON SCHEMA `+s+` TO `+migrator+`, `+guide)
+			asGuide := testenv.PoolAs(t, pool, guide)
+			execAll(t, asGuide, consumeDDL(s))
+			adopted := uuid.Must(uuid.NewV7())
+			guideClaim(t, asGuide, s, adopted, "seed-reports")
+			if !tc.mayCreate {
+				execAll(t, pool, `REVOKE CREATE ON SCHEMA `+s+` FROM `+guide)
+			}
+
+			migrating := pool
+			if tc.granted {
+				migrating = testenv.PoolAs(t, pool, migrator)
+				_, err := schema.Migrate(ctx, migrating, cfg)
+				fix := fmt.Sprintf("GRANT %q TO %q", guide, migrator)
+				if err == nil || !strings.Contains(err.Error(), "needs its owner (role "+guide+")") || !strings.Contains(err.Error(), fix) {
+					t.Fatalf("got %v; want a refusal naming the owner and the fix %s", err, fix)
+				}
+				execAll(t, pool, fix)
+			}
+			if _, err := schema.Migrate(ctx, migrating, cfg); err != nil {
+				t.Fatalf("migrate as %s: %v", tc.by, err)
+			}
+
+			var owner string
+			if err := pool.QueryRow(ctx, `SELECT tableowner FROM pg_tables WHERE schemaname = $1 AND tablename = 'processed_event'`, s).Scan(&owner); err != nil {
+				t.Fatal(err)
+			}
+			if want := map[string]string{"guide": guide, "migrator": migrator}[tc.ownerAfter]; owner != want {
+				t.Errorf("the adopted claim table belongs to %s; want %s", owner, want)
+			}
+			if guideClaim(t, asGuide, s, adopted, "seed-reports") {
+				t.Error("the guide's consumer claimed an adopted claim's event again")
+			}
+			if !guideClaim(t, asGuide, s, uuid.Must(uuid.NewV7()), "seed-reports") {
+				t.Error("the guide's consumer could not claim a new event in the adopted table")
+			}
+			if _, err := asGuide.Exec(ctx, consumeDDL(s)); (err == nil) != (tc.ownerAfter == "guide") {
+				t.Errorf("the guide's consumer's start-up DDL after the adoption: %v; want it to run where the table stays the guide's", err)
+			}
+			// Today's claims are in the default partition: the days ahead
+			// are made and attached.
+			rep, err := retention.Run(ctx, retention.Config{DB: migrating, Tables: cfg})
+			if err != nil || len(rep.Created) < 2 {
+				t.Errorf("a retention pass as the migrating role: %+v, %v; want the days ahead created", rep, err)
+			}
+		})
 	}
 }
 

@@ -33,7 +33,10 @@ import (
 // partition in place; any other is renamed to ClaimTable + "_guide", kept,
 // and its claims copied. Adopted claims have no fingerprint (they match by
 // event id) and keep their processed_at, by which retention ages them out;
-// the roles that could use the table may use the new one. A table it cannot
+// the roles that could use the table may use the new one, which belongs to
+// the old one's owner, so that the guide's consumer running as it keeps
+// claiming there and running its start-up DDL. Adopting another role's
+// table takes a superuser or a member of that role; a table it cannot
 // adopt is refused with the SQL that fixes it. See also [AdoptClaims].
 //
 // It asks first: when nothing is pending it changes nothing and needs no
