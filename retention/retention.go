@@ -177,10 +177,11 @@ RETURNING holder`
 SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 AND payload_sha256 IS NOT NULL LIMIT $2)`
 	// A claim without a fingerprint (adopted from the style guide's table,
 	// or made by the guide's consumer, which may keep claiming in the
-	// adopted table) expires with its processed_at, as the guide's
-	// retention had it: that consumer checks no horizon, so it may have
-	// processed an event long after its id's time, and its redeliveries
-	// are held off for the retention from then. $1: the cutoff.
+	// adopted table) expires with its processed_at, by the library's
+	// retention, which replaces the guide's (and may not be shorter):
+	// that consumer checks no horizon, so it may have processed an event
+	// long after its id's time, and its redeliveries are held off for the
+	// retention from then. $1: the cutoff.
 	deleteByProcessedAtSQL = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
 SELECT event_id, consumer_group FROM %[1]s WHERE payload_sha256 IS NULL AND processed_at < $1 LIMIT $2)`
 	// For the same reason an expired day's partition is kept while such a

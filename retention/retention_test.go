@@ -448,7 +448,7 @@ func namedClaimTable(t *testing.T, pool *pgxpool.Pool) schema.Config {
 
 // A claim without a fingerprint (adopted from the style guide's table, or
 // made by the guide's consumer, which checked no horizon) ages out by its
-// processed_at, as the guide's retention had it, not by its event's id:
+// processed_at, by the library's retention, not by its event's id:
 // one processed long after its event's time stays its retention from then,
 // one whose id says nothing of time (not a UUIDv7) still goes, and an
 // expired day's partition holding one processed within the retention is

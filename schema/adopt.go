@@ -34,8 +34,12 @@ import (
 //
 // Either way an adopted claim has no fingerprint, so a later delivery of its
 // event is a duplicate by its id alone (idempotency's fingerprints.match),
-// and it ages out by its processed_at, as the guide's retention had it
-// (package retention).
+// and it ages out by its processed_at once that is older than the library's
+// retention (package retention), which replaces the guide's for every
+// claim in the table: it is the guide's only where the two are equal, and
+// may not be shorter (retention.Config.GuideRetention). The claims reach
+// back only as far as the guide kept them, and the dedup horizon starts
+// there (AdoptedCoverage).
 
 // column is one column of an existing table, as the catalog has it.
 type column struct {
