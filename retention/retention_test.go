@@ -528,14 +528,23 @@ func TestClaimsWithoutAFingerprintAgeOutByProcessedAt(t *testing.T) {
 // commits while the detach waits; the pass sees it under the detach's lock
 // and keeps the day. Before, the day was detached and dropped with the
 // claim just committed, and a redelivery of the event ran its effect again.
+// Directly and behind PgBouncer in transaction pooling: the look and the
+// detach are one transaction.
 func TestAClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T) {
+	for _, w := range []testenv.Where{{Pooled: false, Mode: pgx.QueryExecModeCacheStatement},
+		{Pooled: true, Mode: pgx.QueryExecModeExec}, {Pooled: true, Mode: pgx.QueryExecModeSimpleProtocol}} {
+		t.Run(w.String(), func(t *testing.T) { aClaimCommittedWhileTheDetachWaitsKeepsItsDay(t, w) })
+	}
+}
+
+func aClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T, w testenv.Where) {
 	pool := setup(t)
 	ctx := context.Background()
 	names := namedClaimTable(t, pool)
 	now := at("2025-07-01T12:00:00Z")
 	// A lock timeout longer than the test's wait: the detach waits for the
 	// claim in one attempt.
-	cfg := retention.Config{DB: pool, Tables: names, Retention: 7 * 24 * time.Hour, LockTimeout: 20 * time.Second,
+	cfg := retention.Config{DB: w.Pool(t), Tables: names, Retention: 7 * 24 * time.Hour, LockTimeout: 20 * time.Second,
 		Now: func() time.Time { return now }}
 	run(t, cfg) // claims_p20250701..03
 	id := v7At(at("2025-07-01T10:00:00Z"))
