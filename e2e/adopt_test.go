@@ -29,6 +29,7 @@ import (
 	"github.com/once-dev/once/oncetest"
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pipeline"
+	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/schema"
 )
 
@@ -97,8 +98,12 @@ func fromTheGuidesConsumer(t *testing.T, name, ddl string) {
 	}
 
 	// The switch: app migrate takes the claims over, app serve the group.
+	// No job ever cleaned the guide's table: it kept every claim for at
+	// least the library's retention (--guide-retention), and the events
+	// before its oldest claim that the Python side never read are not too
+	// old for the horizon.
 	env := []string{"DATABASE_URL=" + dbURL}
-	migrate := s.startEnv("migrate", env, "migrate", "--adopt-claims", "seedpeer.processed_event", "--log-format", "json")
+	migrate := s.startEnv("migrate", env, "migrate", "--adopt-claims", "seedpeer.processed_event", "--guide-retention", "168h", "--log-format", "json")
 	select {
 	case <-migrate.done:
 	case <-time.After(time.Minute):
@@ -285,6 +290,30 @@ func freshDatabase(t *testing.T) (string, *pgxpool.Pool) {
 	return u.String(), testenv.PoolAt(t, u.String())
 }
 
+// loginRole is a login role of the test's own (roles belong to the
+// cluster), dropped when the test ends, after the databases made after it.
+func loginRole(t *testing.T, name string) string {
+	t.Helper()
+	admin := testenv.Postgres(t)
+	role := "e2e_" + name + "_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := admin.Exec(context.Background(), "CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP ROLE IF EXISTS "+role) })
+	return role
+}
+
+// urlAs is databaseURL with role as its user.
+func urlAs(t *testing.T, databaseURL, role string) string {
+	t.Helper()
+	u, err := neturl.Parse(databaseURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = neturl.User(role)
+	return u.String()
+}
+
 type guideClaim struct {
 	id uuid.UUID
 	at time.Time
@@ -383,25 +412,37 @@ func readFigures(t *testing.T, db *pgxpool.Pool, query string) figures {
 	return f
 }
 
-// 19. Side by side (issue 33), on the library's front door: the guide's
-// table is where the library's claim table is (once.Config.Tables names
-// schema seedpeer, where the guide's consumer keeps it), so once.New adopts
-// it in place. One group moves to once (its handler the Go port of the
-// guide's revenue upsert, into the same table); another keeps the guide's
-// Python consumer, which reads the whole topic while once works and keeps
-// claiming in the adopted table, writing neither hash. Every event counts
-// once per group in the one revenue table, the moving group's claims of
-// the Python side match by id, and no message is dead-lettered.
+// 19. Side by side (issue 33), under roles of their own: the guide's
+// consumer runs as the role that made its schema and table (a login role
+// that may create in the database, no superuser), the library's tables
+// are migrated as another role, granted the guide's as the refusal to
+// adopt another role's table says, which also runs once. The guide's table
+// is where the library's claim table is (once.Config.Tables names schema
+// seedpeer, where the guide's consumer keeps it), so the migration adopts
+// it in place, and it stays the guide's role's. One group moves to once
+// (its handler the Go port of the guide's revenue upsert, into the same
+// table); another keeps the guide's Python consumer, unchanged, which
+// starts (its start-up DDL included), reads the whole topic while once
+// works and keeps claiming in the adopted table, writing neither hash.
+// Every event counts once per group in the one revenue table, the moving
+// group's claims of the Python side match by id, and nothing is
+// dead-lettered, parked or refused as a mismatch.
 func TestTheGuidesConsumerBesideOnce(t *testing.T) {
 	python, dir := seedpeer(t)
 	s := newScenario(t, "19 the guide's consumer beside once", 6)
 	moving, staying := s.group("seed-analytics"), s.group("seed-reports")
+	guide, migrator := loginRole(t, "guide"), loginRole(t, "migrator")
 	dbURL, db := freshDatabase(t)
 	ctx := context.Background()
+	if _, err := db.Exec(ctx, `GRANT CREATE ON DATABASE `+pgx.Identifier{db.Config().ConnConfig.Database}.Sanitize()+` TO `+guide+`;
+		GRANT `+guide+` TO `+migrator); err != nil {
+		t.Fatal(err)
+	}
+	guideURL, migratorURL := urlAs(t, dbURL, guide), urlAs(t, dbURL, migrator)
 	produce := guidesProducer(t, s, python, dir)
 
 	first := produce(scale(150))
-	if out, err := guidesConsumer(t, s, python, dir, dbURL, moving, first.Produced).CombinedOutput(); err != nil {
+	if out, err := guidesConsumer(t, s, python, dir, guideURL, moving, first.Produced).CombinedOutput(); err != nil {
 		t.Fatalf("consume.py of %s: %v\n%s", moving, err, out)
 	}
 	pyIDs := map[uuid.UUID]bool{}
@@ -409,10 +450,24 @@ func TestTheGuidesConsumerBesideOnce(t *testing.T) {
 		pyIDs[c.id] = true
 	}
 
+	// The adoption, as app migrate runs it: the migration, then the
+	// retention recorded with the guide's. No job ever cleaned the guide's
+	// table, so it kept its claims for at least the library's retention;
+	// recorded by once.New without it, the horizon would start at its
+	// oldest claim, a minute ago.
+	tables := schema.Config{Schema: "seedpeer"}
+	asMigrator := testenv.PoolAt(t, migratorURL)
+	if _, err := schema.Migrate(ctx, asMigrator, tables); err != nil {
+		t.Fatalf("migrate the guide's database as %s: %v", migrator, err)
+	}
+	if err := retention.Agree(ctx, retention.Config{DB: asMigrator, Tables: tables, GuideRetention: retention.DefaultRetention}); err != nil {
+		t.Fatal(err)
+	}
+
 	var mu sync.Mutex
 	processed := map[uuid.UUID]int{}
 	outcomes := map[string]int{}
-	svc, err := once.New(ctx, once.Config{Brokers: s.brokers, DatabaseURL: dbURL, Tables: schema.Config{Schema: "seedpeer"},
+	svc, err := once.New(ctx, once.Config{Brokers: s.brokers, DatabaseURL: migratorURL, Tables: tables,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Hooks: once.Hooks{OnResult: func(r idempotency.Result) {
 			mu.Lock()
@@ -438,7 +493,7 @@ func TestTheGuidesConsumerBesideOnce(t *testing.T) {
 		}
 	}
 	all := first.Produced + second.Produced + republished
-	if out, err := guidesConsumer(t, s, python, dir, dbURL, staying, all).CombinedOutput(); err != nil {
+	if out, err := guidesConsumer(t, s, python, dir, guideURL, staying, all).CombinedOutput(); err != nil {
 		t.Fatalf("consume.py of %s beside once: %v\n%s", staying, err, out)
 	}
 	waitCaughtUp(t, s, moving, 2*time.Minute)
@@ -467,24 +522,29 @@ func TestTheGuidesConsumerBesideOnce(t *testing.T) {
 	}
 	t.Logf("once: %v", outcomes)
 	onceProcessed, onceDuplicates := outcomes["processed"], outcomes["duplicate"]
+	if n := outcomes["payload_mismatch"] + outcomes["outside_horizon"]; n != 0 {
+		t.Errorf("once's outcomes %v; want no payload mismatch (a claim of the Python side's matches by id) and none outside the horizon", outcomes)
+	}
 	mu.Unlock()
 
-	var claims, stayingClaims, stayingFingerprinted int
-	var partitionedBy string
+	var claims, stayingClaims, stayingFingerprinted, parked int
+	var partitionedBy, owner string
 	if err := db.QueryRow(ctx, `SELECT (SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $1),
 		(SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $2),
 		(SELECT count(*) FROM seedpeer.processed_event WHERE consumer_group = $2 AND payload_sha256 IS NOT NULL),
 		(SELECT a.attname FROM pg_partitioned_table p JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
-			WHERE p.partrelid = 'seedpeer.processed_event'::regclass)`, moving, staying).Scan(&claims, &stayingClaims, &stayingFingerprinted, &partitionedBy); err != nil {
+			WHERE p.partrelid = 'seedpeer.processed_event'::regclass),
+		(SELECT tableowner FROM pg_tables WHERE schemaname = 'seedpeer' AND tablename = 'processed_event'),
+		(SELECT count(*) FROM `+tables.DeadLettersTable().Qualified+`)`, moving, staying).Scan(&claims, &stayingClaims, &stayingFingerprinted, &partitionedBy, &owner, &parked); err != nil {
 		t.Fatal(err)
 	}
-	if partitionedBy != "event_id" || claims != len(events) || stayingClaims != len(events) || stayingFingerprinted != 0 {
-		t.Errorf("the guide's table, partitioned by %q, holds %d claims of %s and %d of %s (%d with a fingerprint); want it adopted (by event_id), "+
-			"one claim per event in each group, the Python side's without a fingerprint", partitionedBy, claims, moving, stayingClaims, staying, stayingFingerprinted)
+	if partitionedBy != "event_id" || claims != len(events) || stayingClaims != len(events) || stayingFingerprinted != 0 || owner != guide {
+		t.Errorf("the guide's table, partitioned by %q and owned by %s, holds %d claims of %s and %d of %s (%d with a fingerprint); want it adopted "+
+			"(by event_id), still %s's, one claim per event in each group, the Python side's without a fingerprint",
+			partitionedBy, owner, claims, moving, stayingClaims, staying, stayingFingerprinted, guide)
 	}
-	dead := testenv.MessageCount(t, s.brokers, s.dlq)
-	if dead != 0 {
-		t.Errorf("%d messages dead-lettered; want none", dead)
+	if dead := testenv.MessageCount(t, s.brokers, s.dlq); dead+int64(parked) != 0 {
+		t.Errorf("%d messages dead-lettered, %d parked; want none", dead, parked)
 	}
 	r := result{Scenario: "19 the guide's consumer beside once", Events: len(events), Deliveries: onceProcessed + onceDuplicates,
 		Duplicates: onceDuplicates, Lost: 2*len(events) - claims - stayingClaims}

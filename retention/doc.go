@@ -21,7 +21,8 @@
 // A claim without a fingerprint (adopted from the style guide's table, or made
 // by the guide's consumer, which keeps claiming there for the groups not moved
 // yet) comes from a consumer that bounded no age: it expires by its
-// processed_at instead, as the guide's retention had it, and an expired day's
-// partition holding one processed within the retention is kept until it aged
-// out ([Report].Kept).
+// processed_at instead, by this retention, which replaces the guide's
+// (Config.GuideRetention may not be longer), and an expired day's partition
+// holding one processed within the retention is kept until it aged out
+// ([Report].Kept).
 package retention

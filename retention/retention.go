@@ -46,6 +46,18 @@ type Config struct {
 	Mode Mode
 	// Retention of claims. Default [DefaultRetention].
 	Retention time.Duration
+	// GuideRetention is how long the style guide's claim table that was
+	// adopted into this one (schema.Migrate, schema.AdoptClaims) kept its
+	// claims: its cleanup job's retention (a table no job cleaned: at
+	// least Retention). When [Agree] records the first retention of a
+	// claim table holding claims without a fingerprint, the dedup horizon
+	// starts as far back as they reach, this or the time since the oldest
+	// was processed if longer (schema.AdoptedCoverage), and widens as the
+	// library's own claims reach back. Nothing else reads it. It may not be
+	// longer than Retention: the guide's consumer checks no horizon, and
+	// claiming in the adopted table, it relies on its claims for as long
+	// as its cleanup kept them. Default 0: as far as the oldest reaches.
+	GuideRetention time.Duration
 	// DaysAhead: partitions exist for today and this many days after. Default 2.
 	DaysAhead int
 	// BatchSize of each delete in the default partition. Default 5000.
@@ -105,6 +117,10 @@ func (c Config) Validate() error {
 	if c.Retention < 24*time.Hour {
 		errs = append(errs, fmt.Errorf("retention: retention %s is shorter than one day, the partition size", c.Retention))
 	}
+	if c.GuideRetention < 0 || c.GuideRetention > c.Retention {
+		errs = append(errs, fmt.Errorf("retention: GuideRetention %s: want from 0 to the retention, %s: the guide's consumer, claiming in the adopted "+
+			"table, checks no horizon, and retention would delete its claims before its own cleanup did; keep claims at least as long", c.GuideRetention, c.Retention))
+	}
 	if c.DaysAhead < 1 || c.BatchSize < 1 || c.LockRetries < 0 || c.LockTimeout < 0 {
 		errs = append(errs, errors.New("retention: DaysAhead and BatchSize must be at least 1, LockTimeout and LockRetries not negative"))
 	}
@@ -161,16 +177,21 @@ RETURNING holder`
 SELECT event_id, consumer_group FROM %[1]s WHERE event_id < $1 AND payload_sha256 IS NOT NULL LIMIT $2)`
 	// A claim without a fingerprint (adopted from the style guide's table,
 	// or made by the guide's consumer, which may keep claiming in the
-	// adopted table) expires with its processed_at, as the guide's
-	// retention had it: that consumer checks no horizon, so it may have
-	// processed an event long after its id's time, and its redeliveries
-	// are held off for the retention from then. $1: the cutoff.
+	// adopted table) expires with its processed_at, by the library's
+	// retention, which replaces the guide's (and may not be shorter):
+	// that consumer checks no horizon, so it may have processed an event
+	// long after its id's time, and its redeliveries are held off for the
+	// retention from then. $1: the cutoff.
 	deleteByProcessedAtSQL = `DELETE FROM %[1]s WHERE (event_id, consumer_group) IN (
 SELECT event_id, consumer_group FROM %[1]s WHERE payload_sha256 IS NULL AND processed_at < $1 LIMIT $2)`
 	// For the same reason an expired day's partition is kept while such a
 	// claim in it was processed within the retention. %s: the partition.
 	recentWithoutFingerprintSQL = `SELECT EXISTS (SELECT 1 FROM %s WHERE payload_sha256 IS NULL AND processed_at >= $1)`
 )
+
+// errKeep rolls back the detach of a day's partition that, seen under the
+// detach's lock, holds a claim to keep.
+var errKeep = errors.New("retention: the partition holds a recent claim without a fingerprint")
 
 // errLeaseLost stops a pass whose lease another instance took (it outlived
 // the lease without renewing it): the other instance works now.
@@ -353,6 +374,16 @@ func (d ddlRunner) plain(ctx context.Context, stmt string) error {
 }
 
 func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
+	return d.execTx(ctx, what, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, stmt)
+		return err
+	})
+}
+
+// execTx runs f in one transaction whose every lock wait is bounded by the
+// lock timeout, tried again as exec is: what f checks under the locks its
+// DDL took holds when it commits.
+func (d ddlRunner) execTx(ctx context.Context, what string, f func(pgx.Tx) error) error {
 	wait := 200 * time.Millisecond
 	for attempt := 0; ; attempt++ {
 		if err := d.lease.renew(ctx); err != nil {
@@ -362,8 +393,7 @@ func (d ddlRunner) exec(ctx context.Context, what, stmt string) error {
 			if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", strconv.FormatInt(d.timeout.Milliseconds(), 10)); err != nil {
 				return err
 			}
-			_, err := tx.Exec(ctx, stmt)
-			return err
+			return f(tx)
 		})
 		var pgErr *pgconn.PgError
 		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" || attempt >= d.retries {
@@ -420,7 +450,9 @@ WHERE ns.nspname = $1 AND c.relkind = 'r' AND c.relname LIKE $2`, n.schema, stri
 // takes none. DETACH ... CONCURRENTLY would take a weaker lock, but
 // PostgreSQL refuses it on a table with a default partition, and the default
 // partition is what holds claims outside daily partitions (and every claim in
-// delete mode).
+// delete mode). A day whose partition holds a claim without a fingerprint
+// processed within the retention is kept (Report.Kept), decided under the
+// detach's lock.
 func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, rep *Report) error {
 	tables, err := dailyTables(ctx, ddl.db, n)
 	if err != nil {
@@ -437,18 +469,44 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 		}
 		qualified := pgx.Identifier{n.schema, name}.Sanitize()
 		if attached {
-			var recent bool
-			if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error {
-				return tx.QueryRow(ctx, fmt.Sprintf(recentWithoutFingerprintSQL, qualified), cutoff).Scan(&recent)
-			}); err != nil {
+			recent := fmt.Sprintf(recentWithoutFingerprintSQL, qualified)
+			// A first look, without a lock: a day kept for its recent
+			// claims is kept at every pass without the claim table's
+			// exclusive lock.
+			var kept bool
+			if err := inTx(ctx, ddl.db, func(tx pgx.Tx) error { return tx.QueryRow(ctx, recent, cutoff).Scan(&kept) }); err != nil {
 				return fmt.Errorf("retention: look for recent claims without a fingerprint in %s: %w", name, err)
 			}
-			if recent {
+			// The look that decides comes after the detach, in its
+			// transaction: the first cannot see a claim whose transaction
+			// is still open (the guide's consumer, which checks no
+			// horizon, claiming an old event in this day), and the detach
+			// waits for that transaction's lock. Once it committed, this
+			// look sees its claim, and the detach is rolled back: a day
+			// dropped with it would let a redelivery run its effect again.
+			// Detaching first takes the claim table's lock before the
+			// partition's, the order a claim takes them in, so the two
+			// cannot deadlock.
+			if !kept {
+				err := ddl.execTx(ctx, "detach "+name, func(tx pgx.Tx) error {
+					if _, err := tx.Exec(ctx, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
+						return err
+					}
+					if err := tx.QueryRow(ctx, recent, cutoff).Scan(&kept); err != nil {
+						return fmt.Errorf("look for recent claims without a fingerprint: %w", err)
+					}
+					if kept {
+						return errKeep
+					}
+					return nil
+				})
+				if err != nil && !errors.Is(err, errKeep) {
+					return err
+				}
+			}
+			if kept {
 				rep.Kept = append(rep.Kept, name)
 				continue
-			}
-			if err := ddl.exec(ctx, "detach "+name, "ALTER TABLE "+n.parent+" DETACH PARTITION "+qualified); err != nil {
-				return err
 			}
 		}
 		if err := ddl.plain(ctx, "DROP TABLE IF EXISTS "+qualified); err != nil {
@@ -573,7 +631,10 @@ var ErrRetentionDisagrees = errors.New("retention: the retention differs from th
 // maintenance deletes by its own, and if maintenance's were shorter it would
 // delete claims the consumers still rely on to skip a redelivery. Serve and
 // maintain both call it at start-up; change the retention on purpose with
-// [SetRetention].
+// [SetRetention]. A first record over claims adopted from the style guide's
+// table starts the dedup horizon where they reach (Config.GuideRetention):
+// run it, with the guide's retention, right after the migration that
+// adopted them (app migrate does), before a consumer starts.
 func Agree(ctx context.Context, cfg Config) error {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -593,9 +654,13 @@ func Agree(ctx context.Context, cfg Config) error {
 	// already recorded.
 	err := read()
 	if errors.Is(err, pgx.ErrNoRows) {
+		// Claims without a fingerprint in the table were adopted from the
+		// style guide's (or made by its consumer since): they cover only
+		// as far back as the guide kept them, and the horizon starts there.
 		if err := inTx(ctx, cfg.DB, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-				table, int64(cfg.Retention.Seconds()))
+			_, err := tx.Exec(ctx, `INSERT INTO `+policy+` (claim_table, retention_seconds, covered_seconds)
+SELECT $1, $2, (SELECT `+schema.AdoptedCoverage("$3")+` FROM `+cfg.Tables.Claims().Qualified+` WHERE payload_sha256 IS NULL)
+ON CONFLICT DO NOTHING`, table, int64(cfg.Retention.Seconds()), int64(cfg.GuideRetention.Seconds()))
 			return err
 		}); err != nil {
 			var pgErr *pgconn.PgError

@@ -448,7 +448,7 @@ func namedClaimTable(t *testing.T, pool *pgxpool.Pool) schema.Config {
 
 // A claim without a fingerprint (adopted from the style guide's table, or
 // made by the guide's consumer, which checked no horizon) ages out by its
-// processed_at, as the guide's retention had it, not by its event's id:
+// processed_at, by the library's retention, not by its event's id:
 // one processed long after its event's time stays its retention from then,
 // one whose id says nothing of time (not a UUIDv7) still goes, and an
 // expired day's partition holding one processed within the retention is
@@ -518,5 +518,106 @@ func TestClaimsWithoutAFingerprintAgeOutByProcessedAt(t *testing.T) {
 	run(t, cfg)
 	if got := left(); got != "" {
 		t.Errorf("on 08-16 the claims left are [%s]; want none", got)
+	}
+}
+
+// The guide's consumer, which checks no horizon, claims an old event in an
+// expired day's partition, and its transaction is still open when a pass
+// looks for recent claims without a fingerprint there: the look cannot see
+// it, and the pass's detach waits for the transaction's lock. The claim
+// commits while the detach waits; the pass sees it under the detach's lock
+// and keeps the day. Before, the day was detached and dropped with the
+// claim just committed, and a redelivery of the event ran its effect again.
+// Directly and behind PgBouncer in transaction pooling: the look and the
+// detach are one transaction.
+func TestAClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T) {
+	for _, w := range []testenv.Where{{Pooled: false, Mode: pgx.QueryExecModeCacheStatement},
+		{Pooled: true, Mode: pgx.QueryExecModeExec}, {Pooled: true, Mode: pgx.QueryExecModeSimpleProtocol}} {
+		t.Run(w.String(), func(t *testing.T) { aClaimCommittedWhileTheDetachWaitsKeepsItsDay(t, w) })
+	}
+}
+
+func aClaimCommittedWhileTheDetachWaitsKeepsItsDay(t *testing.T, w testenv.Where) {
+	pool := setup(t)
+	ctx := context.Background()
+	names := namedClaimTable(t, pool)
+	now := at("2025-07-01T12:00:00Z")
+	// A lock timeout longer than the test's wait: the detach waits for the
+	// claim in one attempt.
+	cfg := retention.Config{DB: w.Pool(t), Tables: names, Retention: 7 * 24 * time.Hour, LockTimeout: 20 * time.Second,
+		Now: func() time.Time { return now }}
+	run(t, cfg) // claims_p20250701..03
+	id := v7At(at("2025-07-01T10:00:00Z"))
+
+	// consume.py's claim: INSERT ... ON CONFLICT DO NOTHING, then its
+	// business write, then the commit; processed_at is now.
+	claim, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = claim.Rollback(ctx) }()
+	if _, err := claim.Exec(ctx, `INSERT INTO `+names.Claims().Qualified+` (event_id, consumer_group) VALUES ($1, 'seed-reports') ON CONFLICT DO NOTHING`, id); err != nil {
+		t.Fatal(err)
+	}
+	now = at("2025-07-10T12:00:00Z") // every id of 07-01..02 older than the retention
+	type result struct {
+		rep retention.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := retention.Run(ctx, cfg)
+		done <- result{rep, err}
+	}()
+	// The fault: the detach of 07-01 waits for the open claim's lock.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%DETACH PARTITION%' AND query LIKE '%' || $1 || '%claims_p20250701%'`, names.Schema).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pass's detach of claims_p20250701 never waited for the open claim")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := claim.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	var left int
+	var partition string
+	if err := pool.QueryRow(ctx, `SELECT count(*), coalesce(max(tableoid::regclass::text), '') FROM `+names.Claims().Qualified+` WHERE event_id = $1`, id).Scan(&left, &partition); err != nil {
+		t.Fatal(err)
+	}
+	if left != 1 || fmt.Sprint(r.rep.Kept) != "[claims_p20250701]" || fmt.Sprint(r.rep.Dropped) != "[claims_p20250702]" {
+		t.Fatalf("claims of the event left: %d (in %q); kept %v, dropped %v; want the claim committed during the detach kept in its day, claims_p20250701 kept, claims_p20250702 dropped",
+			left, partition, r.rep.Kept, r.rep.Dropped)
+	}
+	if partition != names.Schema+".claims_p20250701" {
+		t.Fatalf("the claim is in %s; want its day's partition, still attached", partition)
+	}
+}
+
+// The style guide's retention, told for an adoption, may not be longer than
+// the library's: claiming in the adopted table, the guide's consumer checks
+// no horizon and relies on its claims for as long as its cleanup kept them.
+func TestAGuidesRetentionLongerThanTheLibrarysIsRefused(t *testing.T) {
+	cfg := retention.Config{DB: testenv.Postgres(t), Retention: 7 * 24 * time.Hour}
+	for _, tc := range []struct {
+		guide time.Duration
+		ok    bool
+	}{{0, true}, {7 * 24 * time.Hour, true}, {30 * 24 * time.Hour, false}, {-time.Hour, false}} {
+		cfg.GuideRetention = tc.guide
+		if err := cfg.Validate(); (err == nil) != tc.ok || !tc.ok && !strings.Contains(err.Error(), "GuideRetention "+tc.guide.String()) {
+			t.Errorf("GuideRetention %s: %v; want accepted: %v, else refused by name", tc.guide, err, tc.ok)
+		}
 	}
 }

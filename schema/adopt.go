@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -33,8 +34,12 @@ import (
 //
 // Either way an adopted claim has no fingerprint, so a later delivery of its
 // event is a duplicate by its id alone (idempotency's fingerprints.match),
-// and it ages out by its processed_at, as the guide's retention had it
-// (package retention).
+// and it ages out by its processed_at once that is older than the library's
+// retention (package retention), which replaces the guide's for every
+// claim in the table: it is the guide's only where the two are equal, and
+// may not be shorter (retention.Config.GuideRetention). The claims reach
+// back only as far as the guide kept them, and the dedup horizon starts
+// there (AdoptedCoverage).
 
 // column is one column of an existing table, as the catalog has it.
 type column struct {
@@ -291,16 +296,35 @@ func grantStatements(ctx context.Context, row rowReader, table string) ([]string
 }
 
 // explainOwnerRefusal turns the refusal to alter a table the migrating
-// role does not own into what to do about it.
-func explainOwnerRefusal(err error, t Table, owner string) error {
+// role (migrator) does not own into what to do about it. Not ALTER TABLE
+// ... OWNER TO the migrating role: that takes the owner's privileges from
+// the table's ACL with it, and the guide's consumer, running as the owner,
+// could no longer claim, nor run its start-up DDL; granted the owner's
+// role, the migrating role acts as the owner, and the adopted table stays
+// the owner's (see handBackSQL).
+func explainOwnerRefusal(err error, t Table, owner, migrator string) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
 		return fmt.Errorf("schema: adopting %s, the style guide's claim table, needs its owner (role %s): "+
-			"run the migration as that role, or give the table to this one first (ALTER TABLE %s OWNER TO <the migrating role>): %w",
-			t, owner, t.Qualified, err)
+			"run the migration as that role, or let this one act as it first (GRANT %s TO %s), and keep that grant for app migrate and app maintain; "+
+			"the adopted table stays %s's, so the guide's consumer running as it keeps claiming there and running its start-up DDL "+
+			"(do not hand the table over with ALTER TABLE ... OWNER TO: the guide's consumer would lose its privileges on it): %w",
+			t, owner, pgx.Identifier{owner}.Sanitize(), pgx.Identifier{migrator}.Sanitize(), owner, err)
 	}
 	return err
 }
+
+// handBackSQL says whether the migrating role can give the library's claim
+// table, which it makes, to the adopted table's owner ($1), when that is
+// another role: as a superuser, or as a member of the owner's role whose
+// owner may create in the schema ($2), as PostgreSQL requires of a new
+// owner. The guide's consumer, running as the owner, then runs its
+// start-up DDL as before (CREATE INDEX ... IF NOT EXISTS on its table
+// checks that it owns it first); the migrating role keeps acting as the
+// owner through its membership.
+const handBackSQL = `SELECT current_user::text, $1 <> current_user AND (
+  (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+  OR (pg_has_role(current_user, $1, 'USAGE') AND has_schema_privilege($1, $2, 'CREATE')))`
 
 // fromName is what AdoptClaims takes as its source: schema.table.
 var fromName = regexp.MustCompile(`^([A-Za-z_][A-Za-z0-9_$]{0,62})\.([A-Za-z_][A-Za-z0-9_$]{0,62})$`)
@@ -322,10 +346,23 @@ var fromName = regexp.MustCompile(`^([A-Za-z_][A-Za-z0-9_$]{0,62})\.([A-Za-z_][A
 // returns the number of claims copied. Run it after the guide's consumers
 // of the groups that switch stopped, and before their once groups start: a
 // claim made after the copy is not in it. The guide's table is not changed.
-func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string) (int64, error) {
+//
+// The copied claims reach back only as far as the guide's table kept them:
+// guideRetention, its cleanup job's retention (a table no job cleaned:
+// the library's retention), or the time since its oldest claim was
+// processed if that is longer ([AdoptedCoverage]). Where the retention is
+// recorded (retention.Agree), the claim table's dedup horizon is narrowed
+// to that, for every group of the table, and widens again as the library's
+// own claims reach back: an event older than it is refused, not run again
+// (its claim may have been deleted by the guide's cleanup). A guide's
+// table without a claim changes no horizon.
+func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string, guideRetention time.Duration) (int64, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return 0, err
+	}
+	if guideRetention < 0 {
+		return 0, fmt.Errorf("schema: adopt claims from %q: the guide's retention %s is negative", from, guideRetention)
 	}
 	m := fromName.FindStringSubmatch(from)
 	if m == nil {
@@ -361,14 +398,27 @@ func AdoptClaims(ctx context.Context, db pgdb.DB, cfg Config, from string) (int6
 			return fmt.Errorf("schema: copy the claims of %s into %s: %w", source, claims, err)
 		}
 		copied = tag.RowsAffected()
+		if _, err := tx.Exec(ctx, fmt.Sprintf(narrowCoverageSQL, cfg.RetentionPolicy().Qualified, source.Qualified),
+			claims.Name, int64(guideRetention.Seconds())); err != nil {
+			return fmt.Errorf("schema: narrow the dedup horizon of %s to what the claims of %s cover: %w", claims, source, err)
+		}
 		return nil
 	})
 	return copied, err
 }
 
+// narrowCoverageSQL narrows the recorded coverage of the claim table ($1)
+// to what the claims of the guide's table (%[2]s) cover, $2 being its
+// retention in seconds, when they cover less: covered_seconds from now.
+// %[1]s: the retention policy table.
+var narrowCoverageSQL = `UPDATE %[1]s AS p SET covered_seconds = a.covered, set_at = now()
+FROM (SELECT ` + AdoptedCoverage("$2") + ` AS covered FROM %[2]s) AS a
+WHERE p.claim_table = $1 AND a.covered < ` + CoveredRetention("p")
+
 // adoptExisting makes an existing claim table of shape s ready for the
 // library's layout (see adoptStatements) and returns the statements to run
-// after the library's table exists: the copy and the grants.
+// after the library's table exists: the copy, the grants, and the new
+// table given to the old one's owner (handBackSQL).
 func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, cfg Config, s tableShape) (after []string, inPlace bool, err error) {
 	t := cfg.Claims()
 	how, err := adoptionOf(t, s)
@@ -376,10 +426,19 @@ func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, c
 		return nil, false, err
 	}
 	// Read before the renames (a table's privileges go with it): the
-	// roles that could use the guide's table get the same on the new one.
+	// roles that could use the guide's table get the same on the new one,
+	// its owner too, if the new one cannot be given to it.
 	grants, err := grantStatements(ctx, tx, t.Qualified)
 	if err != nil {
 		return nil, false, err
+	}
+	var migrator string
+	var handBack bool
+	if err := tx(ctx, handBackSQL, s.owner, cfg.Schema).Scan(&migrator, &handBack); err != nil {
+		return nil, false, fmt.Errorf("schema: read who may own %s: %w", t, err)
+	}
+	if handBack {
+		grants = append(grants, `ALTER TABLE `+t.Qualified+` OWNER TO `+pgx.Identifier{s.owner}.Sanitize())
 	}
 	var partitions [][2]string
 	if how == adoptByCopy {
@@ -389,7 +448,7 @@ func adoptExisting(ctx context.Context, tx rowReader, exec func(string) error, c
 	}
 	for _, st := range adoptStatements(cfg, s, how, partitions) {
 		if err := exec(st); err != nil {
-			return nil, false, explainOwnerRefusal(err, t, s.owner)
+			return nil, false, explainOwnerRefusal(err, t, s.owner, migrator)
 		}
 	}
 	if how == adoptByCopy {

@@ -3,6 +3,7 @@ package schema_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/schema"
 )
 
@@ -58,6 +60,16 @@ func guideClaim(t *testing.T, pool *pgxpool.Pool, s string, id uuid.UUID, group 
 // with the claim table cfg names, and returns its outcome.
 func deliver(t *testing.T, pool *pgxpool.Pool, cfg schema.Config, group string, id uuid.UUID, runs *atomic.Int64) idempotency.Outcome {
 	t.Helper()
+	out, err := delivery(t, pool, cfg, group, id, runs)
+	if err != nil {
+		t.Fatalf("delivery of %s: %v", id, err)
+	}
+	return out
+}
+
+// delivery is deliver that returns the delivery's error too.
+func delivery(t *testing.T, pool *pgxpool.Pool, cfg schema.Config, group string, id uuid.UUID, runs *atomic.Int64) (idempotency.Outcome, error) {
+	t.Helper()
 	var out idempotency.Outcome
 	m, err := idempotency.New(idempotency.Config{DB: pool, ConsumerGroup: group, Schema: cfg.Schema, Table: cfg.ClaimTable,
 		OnResult: func(r idempotency.Result) { out = r.Outcome }})
@@ -66,10 +78,30 @@ func deliver(t *testing.T, pool *pgxpool.Pool, cfg schema.Config, group string, 
 	}
 	msg := message.NewMessage(uuid.NewString(), []byte(`{"event_id":"`+id.String()+`","amount":"1.00"}`))
 	msg.SetContext(context.Background())
-	if _, err := m.Middleware(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })(msg); err != nil {
-		t.Fatalf("delivery of %s: %v", id, err)
+	_, err = m.Middleware(func(*message.Message) ([]*message.Message, error) { runs.Add(1); return nil, nil })(msg)
+	return out, err
+}
+
+// v7Ago is a UUIDv7 whose time is d ago.
+func v7Ago(d time.Duration) uuid.UUID {
+	id := uuid.Must(uuid.NewV7())
+	ms := uint64(time.Now().Add(-d).UnixMilli())
+	for i := range 6 {
+		id[i] = byte(ms >> (40 - 8*i))
 	}
-	return out
+	return id
+}
+
+// covered is how far back the claims of cfg's table reach, as the claim
+// statement reads it (schema.CoveredRetention).
+func covered(t *testing.T, pool *pgxpool.Pool, cfg schema.Config) time.Duration {
+	t.Helper()
+	var seconds int64
+	if err := pool.QueryRow(context.Background(), `SELECT `+schema.CoveredRetention("")+` FROM `+cfg.RetentionPolicy().Qualified+
+		` WHERE claim_table = $1`, cfg.Claims().Name).Scan(&seconds); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(seconds) * time.Second
 }
 
 func processedAt(t *testing.T, pool *pgxpool.Pool, table string, id uuid.UUID) time.Time {
@@ -260,27 +292,91 @@ func TestAClaimTableThatCannotBeAdoptedIsRefusedWithTheFix(t *testing.T) {
 	}
 }
 
-// The migrating role must own the guide's table to adopt it: the refusal
-// says whose it is and the statement that hands it over; after it, the
-// migration goes through.
-func TestAdoptingAnotherRolesTableSaysHow(t *testing.T) {
-	pool := testenv.Postgres(t)
-	ctx := context.Background()
-	cfg := schema.Config{Schema: freshSchema(t, pool)}
-	s := cfg.Schema
-	guide, migrator := newRole(t, pool, "guide"), newRole(t, pool, "migrator")
-	execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE, CREATE ON SCHEMA `+s+` TO `+migrator,
-		`CREATE TABLE `+s+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
-			PRIMARY KEY (event_id, consumer_group))`,
-		`ALTER TABLE `+s+`.processed_event OWNER TO `+guide)
-	asMigrator := testenv.PoolAs(t, pool, migrator)
-	_, err := schema.Migrate(ctx, asMigrator, cfg)
-	if err == nil || !strings.Contains(err.Error(), "needs its owner (role "+guide+")") || !strings.Contains(err.Error(), "OWNER TO") {
-		t.Fatalf("got %v; want a refusal naming the owner and the statement that hands the table over", err)
-	}
-	execAll(t, pool, `ALTER TABLE `+s+`.processed_event OWNER TO `+migrator)
-	if _, err := schema.Migrate(ctx, asMigrator, cfg); err != nil {
-		t.Fatalf("after handing the table over: %v", err)
+// consumeDDL is the start-up DDL of the style guide's consumer
+// (consume.py) for its claim table in schema s.
+func consumeDDL(s string) string {
+	return `CREATE TABLE IF NOT EXISTS ` + s + `.processed_event (
+    event_id uuid NOT NULL, consumer_group text NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (event_id, consumer_group));
+CREATE INDEX IF NOT EXISTS ix_seed_processed_at ON ` + s + `.processed_event(processed_at)`
+}
+
+// The guide's consumer's role made its table and owns it. Migrating as
+// another role is refused with whose table it is and the fix: a grant of
+// the owner's role to the migrating one, not the table handed over (that
+// took the owner's privileges with it). After the fix, and when a
+// superuser migrates, the adopted table stays the owner's: the guide's
+// consumer, under its own role, still claims in it and still runs its
+// start-up DDL (CREATE INDEX ... IF NOT EXISTS checks that it owns the
+// table first), and the migrating role still runs retention passes on it.
+// An owner that may no longer create in the schema cannot be given the
+// new table: it keeps its privileges on it by grants, and claims. Before,
+// after the fix the refusal gave (ALTER TABLE ... OWNER TO), the guide's
+// claim failed (permission denied) and its DDL failed (must be owner), and
+// after a superuser's migration its DDL failed.
+func TestAdoptingAnotherRolesTableLeavesItTheirs(t *testing.T) {
+	for _, tc := range []struct {
+		by         string
+		granted    bool // the migrating role is granted the owner's, as the refusal says
+		mayCreate  bool // the owner may create in the schema
+		ownerAfter string
+	}{
+		{"a role granted the owner's", true, true, "guide"},
+		{"a superuser", false, true, "guide"},
+		{"a role granted the owner's, the owner may not create in the schema", true, false, "migrator"},
+	} {
+		t.Run(tc.by, func(t *testing.T) {
+			pool := testenv.Postgres(t)
+			ctx := context.Background()
+			cfg := schema.Config{Schema: freshSchema(t, pool)}
+			s := cfg.Schema
+			guide, migrator := newRole(t, pool, "guide"), newRole(t, pool, "migrator")
+			execAll(t, pool, `CREATE SCHEMA `+s, `GRANT USAGE, CREATE ON SCHEMA `+s+` TO `+migrator+`, `+guide)
+			asGuide := testenv.PoolAs(t, pool, guide)
+			execAll(t, asGuide, consumeDDL(s))
+			adopted := uuid.Must(uuid.NewV7())
+			guideClaim(t, asGuide, s, adopted, "seed-reports")
+			if !tc.mayCreate {
+				execAll(t, pool, `REVOKE CREATE ON SCHEMA `+s+` FROM `+guide)
+			}
+
+			migrating := pool
+			if tc.granted {
+				migrating = testenv.PoolAs(t, pool, migrator)
+				_, err := schema.Migrate(ctx, migrating, cfg)
+				fix := fmt.Sprintf("GRANT %q TO %q", guide, migrator)
+				if err == nil || !strings.Contains(err.Error(), "needs its owner (role "+guide+")") || !strings.Contains(err.Error(), fix) {
+					t.Fatalf("got %v; want a refusal naming the owner and the fix %s", err, fix)
+				}
+				execAll(t, pool, fix)
+			}
+			if _, err := schema.Migrate(ctx, migrating, cfg); err != nil {
+				t.Fatalf("migrate as %s: %v", tc.by, err)
+			}
+
+			var owner string
+			if err := pool.QueryRow(ctx, `SELECT tableowner FROM pg_tables WHERE schemaname = $1 AND tablename = 'processed_event'`, s).Scan(&owner); err != nil {
+				t.Fatal(err)
+			}
+			if want := map[string]string{"guide": guide, "migrator": migrator}[tc.ownerAfter]; owner != want {
+				t.Errorf("the adopted claim table belongs to %s; want %s", owner, want)
+			}
+			if guideClaim(t, asGuide, s, adopted, "seed-reports") {
+				t.Error("the guide's consumer claimed an adopted claim's event again")
+			}
+			if !guideClaim(t, asGuide, s, uuid.Must(uuid.NewV7()), "seed-reports") {
+				t.Error("the guide's consumer could not claim a new event in the adopted table")
+			}
+			if _, err := asGuide.Exec(ctx, consumeDDL(s)); (err == nil) != (tc.ownerAfter == "guide") {
+				t.Errorf("the guide's consumer's start-up DDL after the adoption: %v; want it to run where the table stays the guide's", err)
+			}
+			// Today's claims are in the default partition: the days ahead
+			// are made and attached.
+			rep, err := retention.Run(ctx, retention.Config{DB: migrating, Tables: cfg})
+			if err != nil || len(rep.Created) < 2 {
+				t.Errorf("a retention pass as the migrating role: %+v, %v; want the days ahead created", rep, err)
+			}
+		})
 	}
 }
 
@@ -309,7 +405,7 @@ func TestAdoptClaimsFromTheGuidesTableApart(t *testing.T) {
 		`INSERT INTO `+cfg.Claims().Qualified+` (event_id, consumer_group, payload_sha256) VALUES ('`+ours.String()+`', 'g', '\x01')`)
 	from := guide + ".processed_event"
 
-	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 2 {
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from, 0); err != nil || n != 2 {
 		t.Fatalf("adopt claims: %d, %v; want the 2 the library's table lacks", n, err)
 	}
 	if at, want := processedAt(t, pool, cfg.Claims().Qualified, twice), processedAt(t, pool, guide+".processed_event_all", twice); at.Before(want) {
@@ -319,12 +415,12 @@ func TestAdoptClaimsFromTheGuidesTableApart(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT payload_sha256 FROM `+cfg.Claims().Qualified+` WHERE event_id = $1`, ours).Scan(&fingerprint); err != nil || string(fingerprint) != "\x01" {
 		t.Errorf("the library's own claim now has fingerprint %x (%v); want it left alone", fingerprint, err)
 	}
-	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 0 {
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from, 0); err != nil || n != 0 {
 		t.Fatalf("adopt claims again: %d, %v; want nothing new", n, err)
 	}
 	later := uuid.Must(uuid.NewV7())
 	guideClaim(t, pool, guide, later, "g")
-	if n, err := schema.AdoptClaims(ctx, pool, cfg, from); err != nil || n != 1 {
+	if n, err := schema.AdoptClaims(ctx, pool, cfg, from, 0); err != nil || n != 1 {
 		t.Fatalf("adopt claims after one more: %d, %v; want 1", n, err)
 	}
 	var runs atomic.Int64
@@ -338,13 +434,129 @@ func TestAdoptClaimsFromTheGuidesTableApart(t *testing.T) {
 		{cfg.Schema + ".processed_event", "the library's claim table itself"},
 		{guide + ".bad", "event_id is text, want uuid"},
 	} {
-		if _, err := schema.AdoptClaims(ctx, pool, cfg, tc.from); err == nil || !strings.Contains(err.Error(), tc.want) {
+		if _, err := schema.AdoptClaims(ctx, pool, cfg, tc.from, 0); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("adopt claims from %s: %v; want %q", tc.from, err, tc.want)
 		}
 	}
 	unmigrated := schema.Config{Schema: freshSchema(t, pool)}
 	execAll(t, pool, `CREATE SCHEMA `+unmigrated.Schema)
-	if _, err := schema.AdoptClaims(ctx, pool, unmigrated, from); !errors.Is(err, schema.ErrMissingTable) {
+	if _, err := schema.AdoptClaims(ctx, pool, unmigrated, from, 0); !errors.Is(err, schema.ErrMissingTable) {
 		t.Errorf("adopt claims into a schema never migrated: %v; want ErrMissingTable", err)
+	}
+}
+
+// nearly: got is want within a minute (the test's own run time).
+func nearly(got, want time.Duration) bool { return got > want-time.Minute && got < want+time.Minute }
+
+// A team whose guide's cleanup job kept 2 days of claims adopts its table
+// (in place): the claims cover 2 days, not the library's 7. The first
+// retention recorded (retention.Agree, as app migrate and once.New record
+// it) starts the dedup horizon where the adopted claims reach: an event the
+// guide's consumer processed 4 days ago, whose claim its cleanup deleted,
+// is refused as too old instead of run again; one whose claim is there is
+// a duplicate. Told how long the guide kept its claims (GuideRetention),
+// the horizon starts there: an event of 2.5 days ago runs. Before, the
+// horizon was the library's 7 days at once, and the event processed 4 days
+// ago ran again.
+func TestTheHorizonAfterAnAdoptionReachesOnlyAsFarAsTheGuidesClaims(t *testing.T) {
+	const day = 24 * time.Hour
+	for _, tc := range []struct {
+		name         string
+		guide, cover time.Duration
+		newerRuns    bool // the event of 2.5 days ago, which no claim holds
+	}{
+		{"as far as the oldest claim", 0, day, false},
+		{"the guide's retention told", 3 * day, 3 * day, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool := testenv.Postgres(t)
+			ctx := context.Background()
+			cfg := schema.Config{Schema: freshSchema(t, pool)}
+			s := cfg.Schema
+			execAll(t, pool, `CREATE SCHEMA `+s,
+				`CREATE TABLE `+s+`.processed_event (event_id uuid, consumer_group text, processed_at timestamptz DEFAULT now(),
+					PRIMARY KEY (event_id, consumer_group))`)
+			fourDaysAgo, oneDayAgo, newer := v7Ago(4*day), v7Ago(day), v7Ago(60*time.Hour)
+			execAll(t, pool, `INSERT INTO `+s+`.processed_event VALUES ('`+fourDaysAgo.String()+`', 'g', now() - interval '4 days'),
+				('`+oneDayAgo.String()+`', 'g', now() - interval '1 day')`,
+				// The guide's cleanup job, 2 days (the guide fixes no length).
+				`DELETE FROM `+s+`.processed_event WHERE processed_at < now() - interval '2 days'`)
+
+			if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+				t.Fatal(err)
+			}
+			if err := retention.Agree(ctx, retention.Config{DB: pool, Tables: cfg, Retention: 7 * day, GuideRetention: tc.guide}); err != nil {
+				t.Fatal(err)
+			}
+			if got := covered(t, pool, cfg); !nearly(got, tc.cover) {
+				t.Errorf("the claims cover %s after the adoption; want %s", got, tc.cover)
+			}
+			var runs atomic.Int64
+			if out, err := delivery(t, pool, cfg, "g", fourDaysAgo, &runs); out != idempotency.OutsideHorizon || !errors.Is(err, idempotency.ErrTooOld) || runs.Load() != 0 {
+				t.Fatalf("a redelivery of the event processed 4 days ago, its claim deleted by the guide's cleanup: %v, %v, the handler ran %d times; "+
+					"want it refused as too old, not run again", out, err, runs.Load())
+			}
+			if out := deliver(t, pool, cfg, "g", oneDayAgo, &runs); out != idempotency.Duplicate || runs.Load() != 0 {
+				t.Fatalf("a redelivery of the event processed a day ago: %v; want a duplicate", out)
+			}
+			out, err := delivery(t, pool, cfg, "g", newer, &runs)
+			if ran := out == idempotency.Processed && err == nil && runs.Load() == 1; ran != tc.newerRuns {
+				t.Fatalf("an event of 2.5 days ago that no claim holds: %v, %v; want it run: %v", out, err, tc.newerRuns)
+			}
+		})
+	}
+}
+
+// The guide's table kept apart kept 2 days of claims: AdoptClaims narrows
+// the recorded dedup horizon of the library's table (of all its groups) to
+// what the copied claims cover, where it was wider, so that an event the
+// guide's consumer processed 4 days ago is refused instead of run again.
+// Told that the guide kept them for the library's retention, it narrows
+// nothing; a guide's table without a claim changes nothing. Before, the
+// horizon stayed the library's 7 days.
+func TestAdoptClaimsNarrowsTheHorizonToWhatTheGuidesTableKept(t *testing.T) {
+	const day = 24 * time.Hour
+	pool := testenv.Postgres(t)
+	ctx := context.Background()
+	cfg := schema.Config{Schema: freshSchema(t, pool)}
+	if _, err := schema.Migrate(ctx, pool, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := retention.Agree(ctx, retention.Config{DB: pool, Tables: cfg, Retention: 7 * day}); err != nil {
+		t.Fatal(err)
+	}
+	guide := freshSchema(t, pool)
+	execAll(t, pool, `CREATE SCHEMA `+guide,
+		`CREATE TABLE `+guide+`.processed_event (event_id uuid NOT NULL, consumer_group text NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),
+			PRIMARY KEY (event_id, consumer_group))`,
+		`CREATE TABLE `+guide+`.empty (LIKE `+guide+`.processed_event INCLUDING ALL)`)
+	fourDaysAgo, twoDaysAgo := v7Ago(4*day), v7Ago(2*day)
+	execAll(t, pool, `INSERT INTO `+guide+`.processed_event VALUES ('`+fourDaysAgo.String()+`', 'g', now() - interval '4 days'),
+		('`+twoDaysAgo.String()+`', 'g', now() - interval '2 days')`,
+		`DELETE FROM `+guide+`.processed_event WHERE processed_at < now() - interval '3 days'`)
+
+	for _, step := range []struct {
+		from  string
+		guide time.Duration
+		cover time.Duration
+	}{
+		{guide + ".empty", 0, 7 * day},
+		{guide + ".processed_event", 7 * day, 7 * day},
+		{guide + ".processed_event", 0, 2 * day},
+	} {
+		if _, err := schema.AdoptClaims(ctx, pool, cfg, step.from, step.guide); err != nil {
+			t.Fatal(err)
+		}
+		if got := covered(t, pool, cfg); !nearly(got, step.cover) {
+			t.Fatalf("after adopting the claims of %s (the guide's retention %s), the claims cover %s; want %s", step.from, step.guide, got, step.cover)
+		}
+	}
+	var runs atomic.Int64
+	if out, err := delivery(t, pool, cfg, "g", fourDaysAgo, &runs); out != idempotency.OutsideHorizon || !errors.Is(err, idempotency.ErrTooOld) || runs.Load() != 0 {
+		t.Fatalf("a redelivery of the event processed 4 days ago, its claim deleted by the guide's cleanup: %v, %v, the handler ran %d times; "+
+			"want it refused as too old", out, err, runs.Load())
+	}
+	if out := deliver(t, pool, cfg, "g", twoDaysAgo, &runs); out != idempotency.Duplicate {
+		t.Fatalf("a redelivery of the event processed 2 days ago: %v; want a duplicate", out)
 	}
 }

@@ -33,7 +33,10 @@ import (
 // partition in place; any other is renamed to ClaimTable + "_guide", kept,
 // and its claims copied. Adopted claims have no fingerprint (they match by
 // event id) and keep their processed_at, by which retention ages them out;
-// the roles that could use the table may use the new one. A table it cannot
+// the roles that could use the table may use the new one, which belongs to
+// the old one's owner, so that the guide's consumer running as it keeps
+// claiming there and running its start-up DDL. Adopting another role's
+// table takes a superuser or a member of that role; a table it cannot
 // adopt is refused with the SQL that fixes it. See also [AdoptClaims].
 //
 // It asks first: when nothing is pending it changes nothing and needs no
@@ -247,14 +250,31 @@ func migrations(cfg Config) ([]*goose.Migration, error) {
 // policy table (named row; "" for unqualified columns), of how far back,
 // in seconds, the claims reach now: the recorded retention, unless it was
 // made longer, whose claims between the old and the new retention were
-// deleted under the old one; the claims then reach as far as they did when
-// it was set, plus the time since, up to the new retention. A dedup
-// horizon is no wider than it.
+// deleted under the old one, or claims were adopted from the style
+// guide's table, which reach as far as it kept them (see
+// [AdoptedCoverage]); the claims then reach as far as they did when it was
+// set, plus the time since, up to the retention. A dedup horizon is no
+// wider than it.
 func CoveredRetention(row string) string {
 	if row != "" {
 		row += "."
 	}
 	return fmt.Sprintf(`LEAST(%[1]sretention_seconds, COALESCE(%[1]scovered_seconds + floor(extract(epoch FROM now() - %[1]sset_at))::bigint, %[1]sretention_seconds))`, row)
+}
+
+// AdoptedCoverage is an SQL aggregate expression, over rows of a claim
+// table of the style guide's shape (their processed_at), of how far back,
+// in seconds, those claims reach: the guide's retention (guideRetention, an
+// SQL expression of seconds), or the time since the oldest was processed if
+// that is longer; NULL over no row. The guide's cleanup job deletes by
+// processed_at, so every claim it deleted was processed before the oldest
+// one left, and an event whose id is later than that, processed after its
+// id's time, still has its claim. Further back nothing says which events
+// were processed and their claims deleted: the dedup horizon must not
+// reach there (covered_seconds of the retention policy).
+func AdoptedCoverage(guideRetention string) string {
+	return `CASE WHEN min(processed_at) IS NOT NULL THEN GREATEST((` + guideRetention + `)::bigint, 0,
+  floor(extract(epoch FROM now() - min(processed_at)))::bigint) END`
 }
 
 // OutboxTopic is the watermill-sql topic of every outbox: its tables are

@@ -33,8 +33,10 @@ func TestMigrateAdoptsTheGuidesClaims(t *testing.T) {
 	if _, err := pool.Exec(ctx, `INSERT INTO `+guide+`.processed_event VALUES ($1, $2, now() - interval '2 days')`, id, group); err != nil {
 		t.Fatal(err)
 	}
+	// The guide's table here was never cleaned: it kept its claims for at
+	// least the library's retention, and the horizon stays whole.
 	for range 2 {
-		if out, err := runApp(t, "migrate", "--adopt-claims", guide+".processed_event"); err != nil {
+		if out, err := runApp(t, "migrate", "--adopt-claims", guide+".processed_event", "--guide-retention", "168h"); err != nil {
 			t.Fatalf("app migrate --adopt-claims: %v\n%s", err, out)
 		}
 	}
@@ -50,5 +52,11 @@ func TestMigrateAdoptsTheGuidesClaims(t *testing.T) {
 	if out, err := runApp(t, "migrate", "--database-url", "postgres://x@h/db", "--adopt-claims", "processed_event"); err == nil ||
 		!strings.Contains(err.Error()+out, "--adopt-claims (ONCE_ADOPT_CLAIMS)") {
 		t.Fatalf("an unqualified source: %v\n%s; want a refusal naming --adopt-claims", err, out)
+	}
+	// Once's retention may not delete the guide's consumer's claims before
+	// its own cleanup did.
+	if out, err := runApp(t, "migrate", "--database-url", "postgres://x@h/db", "--guide-retention", "720h"); err == nil ||
+		!strings.Contains(err.Error()+out, "--guide-retention (ONCE_GUIDE_RETENTION) 720h0m0s: want from 0 to --dedup-retention (168h0m0s)") {
+		t.Fatalf("a guide's retention longer than the library's: %v\n%s; want a refusal naming both settings", err, out)
 	}
 }
