@@ -325,7 +325,11 @@ func decodedID(decode func([]byte) (decoded, error), payload []byte) (id uuid.UU
 // context that ends when the partition is revoked, so a call stuck on a
 // database that went silent cannot hold a rebalance up; the wait between
 // attempts ends on revocation (ErrRevoked) and on shutdown (errShutdown).
-func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
+//
+// slots, when not nil, bounds a key-ordered group's attempts at once (its
+// Concurrency): each attempt takes a slot (and so a connection) for its
+// run only, and none while it waits for its next try.
+func (p *Pipeline) hold(topic, group string, slots chan struct{}) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			// One record of external effects for every attempt of this
@@ -342,7 +346,11 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 			var heldSince time.Time
 			owner := ownerOf(msg)
 			for attempt := 1; ; attempt++ {
+				if err := p.awaitSlot(slots, revoked); err != nil {
+					return nil, err
+				}
 				out, err := p.attempt(msg, h, owner, attempt)
+				freeSlot(slots)
 				if errors.Is(err, errOutwaited) && !p.stopped(msg) && !isClosed(revoked) {
 					if msg.Context().Err() != nil {
 						// Not the attempt's time but the message's own
@@ -383,6 +391,28 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 				wait = min(2*wait, p.cfg.HoldMaxBackoff)
 			}
 		}
+	}
+}
+
+// awaitSlot takes one of slots, once one is free (nil slots: none to
+// take). A revocation or the shutdown ends the wait.
+func (p *Pipeline) awaitSlot(slots chan struct{}, revoked <-chan struct{}) error {
+	if slots == nil {
+		return nil
+	}
+	select {
+	case slots <- struct{}{}:
+		return nil
+	case <-revoked:
+		return ErrRevoked
+	case <-p.stopping:
+		return errShutdown
+	}
+}
+
+func freeSlot(slots chan struct{}) {
+	if slots != nil {
+		<-slots
 	}
 }
 

@@ -654,8 +654,15 @@ func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
 func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (builtGroup, error) {
 	cfg := p.cfg
 	window := 1 // one message of a partition at a time keeps its events in order
-	if g.handleBatch != nil {
+	var gate *keyGate
+	var slots chan struct{}
+	switch {
+	case g.handleBatch != nil:
 		window = g.batch.Window
+	case g.keyOrdered:
+		window = g.window
+		gate = newKeyGate(window)
+		slots = make(chan struct{}, g.concurrency)
 	}
 	// One subscriber, and so one member of the Kafka group, per group name,
 	// whatever number of topics it reads.
@@ -709,6 +716,9 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		}
 		p.batchers = append(p.batchers, batch)
 	}
+	if gate != nil {
+		onSend = gate.announce
+	}
 	if sub != nil {
 		f := sub.addTopic(t.name, window, onSend)
 		if batch != nil {
@@ -727,12 +737,17 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		// it to the partition's next owner.
 		chain = append(chain, releaseRevoked)
 	}
+	if gate != nil {
+		// Outside everything that runs the message (a team's Observe
+		// included): its turn comes first.
+		chain = append(chain, gate.order(p))
+	}
 	chain = append(chain, refuseReturnedMessages(cfg.Logger, t.name, g.name))
 	chain = append(chain, g.extra.Observe...)
 	chain = append(chain,
 		middleware.CorrelationID,
 		p.deadLetter(t, g),
-		p.hold(t.name, g.name),
+		p.hold(t.name, g.name, slots),
 		middleware.Recoverer,
 		decodeWith(g.decode),
 	)

@@ -1,0 +1,132 @@
+package pipeline_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/shopspring/decimal"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/pipeline"
+)
+
+// A key-ordered group against Kafka and PostgreSQL. Needs KAFKA_BROKERS and
+// DATABASE_URL.
+
+// keyRuns records a handler's runs from its own clock: when each event of
+// each key started and ended, and what ran at once. A key's runs must never
+// overlap and must come in its order; a keyless event's run must overlap
+// nothing of its partition.
+type keyRuns struct {
+	mu       sync.Mutex
+	running  map[string]bool // by key; "" for a keyless event
+	now      int             // runs at once
+	most     int             // the most at once
+	last     map[string]int64
+	bad      []string
+	finished int
+}
+
+func (k *keyRuns) start(key string, order int64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.running == nil {
+		k.running, k.last = map[string]bool{}, map[string]int64{}
+	}
+	switch {
+	case k.running[key]:
+		k.bad = append(k.bad, fmt.Sprintf("key %q: two runs at once", key))
+	case key == "" && k.now > 0:
+		k.bad = append(k.bad, fmt.Sprintf("a keyless event ran beside %d others", k.now))
+	case key != "" && k.running[""]:
+		k.bad = append(k.bad, fmt.Sprintf("key %q ran beside a keyless event", key))
+	}
+	if order <= k.last[key] {
+		k.bad = append(k.bad, fmt.Sprintf("key %q: order %d after %d", key, order, k.last[key]))
+	}
+	k.last[key] = order
+	k.running[key] = true
+	k.now++
+	k.most = max(k.most, k.now)
+}
+
+func (k *keyRuns) end(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.running[key] = false
+	k.now--
+	k.finished++
+}
+
+func (k *keyRuns) check(t *testing.T) {
+	t.Helper()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.bad) > 0 {
+		t.Fatalf("%d violations of the key order, e.g. %v", len(k.bad), k.bad[:min(len(k.bad), 5)])
+	}
+}
+
+// keyOf is the key sequenced and keyed publish under; "" for the keyless.
+func keyOf(ev confirmed) string {
+	if ev.Customer < 0 {
+		return ""
+	}
+	return fmt.Sprint("k", ev.Customer)
+}
+
+// A key-ordered group runs a partition's messages at once, never two of one
+// key, each key's in order, and a message without a key alone: everything
+// before it done first, everything after it waiting for it.
+func TestAKeyOrderedGroupRunsKeysAtOnceInOrder(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("key-order")}
+	var runs keyRuns
+	g := pipeline.Group[confirmed]{Name: r.group, Order: pipeline.OrderKey, Concurrency: 8,
+		Handle: func(ctx context.Context, tx pgx.Tx, ev confirmed) error {
+			runs.start(keyOf(ev), ev.Order)
+			defer runs.end(keyOf(ev))
+			time.Sleep(20 * time.Millisecond) // a provider's call
+			return r.Handle(ctx, tx, ev)
+		}}
+	p, err := pipeline.New(e.config(g))
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+
+	const keys, perKey = 8, 10
+	var msgs []*sarama.ProducerMessage
+	for i := range keys * perKey {
+		ev, err := newConfirmed(uuid.Must(uuid.NewV7()), time.Now(), int64(i/keys+1), int64(i%keys), decimal.RequireFromString("1.00"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: e.Topic, Key: sarama.StringEncoder(keyOf(ev)), Value: sarama.ByteEncoder(payload(t, ev))})
+		if i == keys*perKey/2 {
+			// A message without a key, in the middle.
+			keyless, err := newConfirmed(uuid.Must(uuid.NewV7()), time.Now(), 1, -1, decimal.RequireFromString("1.00"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: e.Topic, Value: sarama.ByteEncoder(payload(t, keyless))})
+		}
+	}
+	if err := e.Prod.SendMessages(msgs); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, time.Minute, "every event processed", func() bool { return effects(t, e.Pool, r.group) == keys*perKey+1 })
+	runs.check(t)
+	runs.mu.Lock()
+	defer runs.mu.Unlock()
+	t.Logf("at most %d at once", runs.most)
+	if runs.most < 2 || runs.most > 8 {
+		t.Fatalf("at most %d runs at once; want several, and no more than Concurrency (8)", runs.most)
+	}
+}
