@@ -43,6 +43,7 @@ type keyGate struct {
 
 	mu      sync.Mutex
 	queues  map[partitionOf]*[]*keyEntry // announced and unfinished, in offset order
+	latest  map[partitionOf]int64        // the highest offset announced
 	entries map[entryKey]*keyEntry
 	changed chan struct{} // closed at the next change; nil while nobody waits
 }
@@ -59,7 +60,7 @@ type keyEntry struct {
 }
 
 func newKeyGate(window int) *keyGate {
-	return &keyGate{window: window, queues: map[partitionOf]*[]*keyEntry{}, entries: map[entryKey]*keyEntry{}}
+	return &keyGate{window: window, queues: map[partitionOf]*[]*keyEntry{}, latest: map[partitionOf]int64{}, entries: map[entryKey]*keyEntry{}}
 }
 
 // announce records msg as its partition's next message; the subscriber calls
@@ -89,6 +90,7 @@ func (g *keyGate) announce(msg *message.Message) bool {
 	}
 	offset, _ := strconv.ParseInt(msg.Metadata.Get(MetaKafkaOffset), 10, 64)
 	e := &keyEntry{key: ek, queue: q, offset: offset, kafka: msg.Metadata.Get(MetaKafkaKey), since: time.Now()}
+	g.latest[q] = max(g.latest[q], offset)
 	i, _ := slices.BinarySearchFunc(*queue, offset, func(x *keyEntry, o int64) int { return int(x.offset - o) })
 	*queue = slices.Insert(*queue, i, e)
 	g.entries[ek] = e
@@ -105,6 +107,7 @@ func (g *keyGate) drop(q partitionOf) {
 			delete(g.entries, e.key)
 		}
 		delete(g.queues, q)
+		delete(g.latest, q)
 	}
 	g.signal()
 }
@@ -220,8 +223,11 @@ func (g *keyGate) status(now time.Time) keyGateStatus {
 		if q.owner.Err() != nil || len(*queue) == 0 {
 			continue
 		}
-		s.pinned = max(s.pinned, now.Sub((*queue)[0].since))
-		if len(*queue) >= g.window {
+		head := (*queue)[0]
+		s.pinned = max(s.pinned, now.Sub(head.since))
+		// The subscriber hands out no message a window or more past the
+		// first unfinished one, finished ones behind it included.
+		if g.latest[q]-head.offset+1 >= int64(g.window) {
 			s.full++
 		}
 	}

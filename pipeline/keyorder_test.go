@@ -2,8 +2,10 @@ package pipeline_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -128,5 +130,89 @@ func TestAKeyOrderedGroupRunsKeysAtOnceInOrder(t *testing.T) {
 	t.Logf("at most %d at once", runs.most)
 	if runs.most < 2 || runs.most > 8 {
 		t.Fatalf("at most %d runs at once; want several, and no more than Concurrency (8)", runs.most)
+	}
+}
+
+// A held message holds its key, not its partition: the other keys go on
+// while the window has room, the held message pins the partition's
+// committed offset, the status shows the held key, the pinned commit point
+// and the full window, and once it passes its key's events follow in order.
+func TestAHeldMessageHoldsItsKeyNotItsPartition(t *testing.T) {
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("held-key")}
+	var runs keyRuns
+	var holding atomic.Bool
+	holding.Store(true)
+	var failures atomic.Int64
+	const keys, perKey, window = 6, 10, 20
+	var heldID atomic.Value
+	g := pipeline.Group[confirmed]{Name: r.group, Order: pipeline.OrderKey, Concurrency: 4, Window: window,
+		Handle: func(ctx context.Context, tx pgx.Tx, ev confirmed) error {
+			if id, _ := heldID.Load().(uuid.UUID); ev.ID == id && holding.Load() {
+				failures.Add(1)
+				return errors.New("the provider answers 503 (staged)")
+			}
+			runs.start(keyOf(ev), ev.Order)
+			defer runs.end(keyOf(ev))
+			return r.Handle(ctx, tx, ev)
+		}}
+	cfg := e.config(g)
+	cfg.HoldBackoff, cfg.HoldMaxBackoff = 10*time.Millisecond, 50*time.Millisecond
+	cfg.CommitMode = pipeline.CommitSync
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startPipeline(t, p)
+
+	var msgs []*sarama.ProducerMessage
+	const heldAt = 2*keys + 0 // key k0's third event
+	for i := range keys * perKey {
+		ev, err := newConfirmed(uuid.Must(uuid.NewV7()), time.Now(), int64(i/keys+1), int64(i%keys), decimal.RequireFromString("1.00"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i == heldAt {
+			heldID.Store(ev.ID)
+		}
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: e.Topic, Key: sarama.StringEncoder(keyOf(ev)), Value: sarama.ByteEncoder(payload(t, ev))})
+	}
+	if err := e.Prod.SendMessages(msgs); err != nil {
+		t.Fatal(err)
+	}
+	// Offsets 0..heldAt+window-1 may be in flight; of those, every message
+	// of another key runs, and k0's after the held one wait.
+	inWindow := heldAt + window
+	wantPassed := heldAt // the messages before the held one
+	for off := heldAt + 1; off < inWindow; off++ {
+		if off%keys != 0 {
+			wantPassed++
+		}
+	}
+	testenv.Eventually(t, time.Minute, "the other keys processed up to the window", func() bool {
+		return effects(t, e.Pool, r.group) == wantPassed
+	})
+	var status pipeline.GroupStatus
+	testenv.Eventually(t, 10*time.Second, "the status shows the held key and the full window", func() bool {
+		status = p.Status()[0]
+		return status.Held == 1 && status.HeldKeys == 1 && status.WindowFull == 1 && status.Pinned > 0
+	})
+	time.Sleep(300 * time.Millisecond) // nothing more runs while the window is full
+	if n := effects(t, e.Pool, r.group); n != wantPassed || failures.Load() < 2 {
+		t.Fatalf("%d processed while the key is held (want %d), the held message failed %d times (want it held)", n, wantPassed, failures.Load())
+	}
+	admin := testenv.Admin(t, e.Brokers)
+	if committed := testenv.CommittedOffsets(t, admin, r.group, e.Topic)[0]; committed > heldAt {
+		t.Fatalf("committed offset %d is past the held message's %d", committed, heldAt)
+	}
+
+	holding.Store(false)
+	testenv.Eventually(t, time.Minute, "every event processed", func() bool { return effects(t, e.Pool, r.group) == keys*perKey })
+	runs.check(t)
+	testenv.Eventually(t, 10*time.Second, "the commit point moved to the end", func() bool {
+		return testenv.CommittedOffsets(t, admin, r.group, e.Topic)[0] == keys*perKey
+	})
+	if s := p.Status()[0]; s.Held != 0 || s.HeldKeys != 0 || s.WindowFull != 0 {
+		t.Fatalf("status after the hold %+v; want nothing held, no window full", s)
 	}
 }

@@ -724,7 +724,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		if batch != nil {
 			batch.toRouter = f.send
 		}
-		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f})
+		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f, gate: gate})
 	}
 
 	var chain []message.HandlerMiddleware
