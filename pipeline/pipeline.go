@@ -724,7 +724,14 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		if batch != nil {
 			batch.toRouter = f.send
 		}
-		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f, gate: gate})
+		order := OrderPartition
+		switch {
+		case batch != nil:
+			order = ""
+		case gate != nil:
+			order = OrderKey
+		}
+		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f, gate: gate, order: order})
 	}
 
 	var chain []message.HandlerMiddleware

@@ -29,6 +29,9 @@ type GroupStatus struct {
 	// how long the oldest of them has been held.
 	Held       int
 	OldestHeld time.Duration
+	// Order is the group's order of a partition's messages; empty for a
+	// batched group, whose batches keep its partitions' order.
+	Order Order
 	// Of a key-ordered group (see [OrderKey]): HeldKeys, the keys a held
 	// message holds now (each key's later messages wait for it, the other
 	// keys go on); Pinned, the longest any of its partitions' commit
@@ -61,7 +64,7 @@ func (p *Pipeline) Status() []GroupStatus {
 	p.holdsMu.Unlock()
 	out := make([]GroupStatus, 0, len(p.groups))
 	for _, g := range p.groups {
-		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load()}
+		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load(), Order: g.order}
 		if parts := g.feed.assigned.Load(); parts != nil {
 			s.Partitions = slices.Clone(*parts)
 		}
@@ -83,6 +86,7 @@ type groupRef struct {
 	topic, group string
 	feed         *feed
 	gate         *keyGate // a key-ordered group's; nil for others
+	order        Order
 }
 
 // holdEntry is a message held now (see Pipeline.hold).
