@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
 	"github.com/once-dev/once/internal/testenv"
@@ -214,5 +216,32 @@ func TestAHeldMessageHoldsItsKeyNotItsPartition(t *testing.T) {
 	})
 	if s := p.Status()[0]; s.Held != 0 || s.HeldKeys != 0 || s.WindowFull != 0 {
 		t.Fatalf("status after the hold %+v; want nothing held, no window full", s)
+	}
+}
+
+// Start-up refuses a key-ordered group whose pool cannot serve its
+// Concurrency: every attempt holds a connection for its whole run.
+func TestAConcurrencyThePoolCannotServeIsRefused(t *testing.T) {
+	e := newEnv(t, 1)
+	cfg := e.Pool.Config()
+	cfg.MaxConns = 4
+	small, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(small.Close)
+	r := &recorder{group: uniqueGroup("too-few-conns")}
+	pc := e.config(pipeline.Group[confirmed]{Name: r.group, Handle: r.Handle, Order: pipeline.OrderKey, Concurrency: 3},
+		pipeline.Group[confirmed]{Name: r.group + "-batched", HandleBatch: r.HandleBatch, Batch: pipeline.Batch{Concurrency: 2}})
+	pc.DB = small
+	err = pc.Validate()
+	for _, want := range []string{"MaxConns 4", "up to 5 attempts", "Concurrency 3", "Batch.Concurrency 2"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("Validate: %v; want a refusal naming %q", err, want)
+		}
+	}
+	pc.Topics = []pipeline.Binding{e.topicOf(pipeline.Group[confirmed]{Name: r.group, Handle: r.Handle, Order: pipeline.OrderKey, Concurrency: 4})}
+	if err := pc.Validate(); err != nil {
+		t.Fatalf("a pool that serves the concurrency: %v", err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
@@ -391,7 +393,62 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 		}
 		topics = append(topics, b)
 	}
+	errs = append(errs, poolsServe(topics))
 	return version, topics, errors.Join(errs...)
+}
+
+// poolsServe refuses a pool with fewer connections than the attempts its
+// groups run at once, where a key-ordered group runs: each key-ordered
+// group's Concurrency and each batched group's Batch.Concurrency, a connection each for the whole
+// attempt (a provider's call inside the transaction included). Too few,
+// and the attempts wait for a connection inside their attempt's time,
+// where the wait counts against them, instead of for a slot. A DB that
+// does not say its size (not a *pgxpool.Pool) is not checked.
+func poolsServe(topics []topicBinding) error {
+	type use struct {
+		attempts   int
+		who        []string
+		keyOrdered bool
+	}
+	uses := map[DB]*use{}
+	var order []DB
+	for _, t := range topics {
+		for _, g := range t.groups {
+			n, what := 0, ""
+			switch {
+			case g.handleBatch != nil:
+				n, what = g.batch.Concurrency, "Batch.Concurrency"
+			case g.keyOrdered:
+				n, what = g.concurrency, "Concurrency"
+			default:
+				continue
+			}
+			u := uses[g.db]
+			if u == nil {
+				u = &use{}
+				uses[g.db] = u
+				order = append(order, g.db)
+			}
+			u.attempts += n
+			u.keyOrdered = u.keyOrdered || g.keyOrdered
+			u.who = append(u.who, fmt.Sprintf("%s on %s (%s %d)", g.name, t.name, what, n))
+		}
+	}
+	var errs []error
+	for _, db := range order {
+		sized, ok := db.(interface{ Stat() *pgxpool.Stat })
+		if !ok || !uses[db].keyOrdered {
+			// Batched groups alone wait for a connection within a batch's
+			// time, as they always have: not refused.
+			continue
+		}
+		if most := int(sized.Stat().MaxConns()); uses[db].attempts > most {
+			errs = append(errs, fmt.Errorf("pipeline: a pool of MaxConns %d serves groups that run up to %d attempts at once, each on a connection of its own: %s; "+
+				"raise the pool's MaxConns (pool_max_conns in its URL, and PgBouncer's default_pool_size behind it) or lower their concurrency",
+				most, uses[db].attempts, strings.Join(uses[db].who, ", ")))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Pipeline runs consumer groups on topics in one Watermill router, and,
