@@ -26,6 +26,14 @@ import (
 	"github.com/once-dev/once/schema"
 )
 
+// DefaultRevocationGrace is Config.RevocationGrace by default: two of a
+// payment client's 5-second requests.
+const DefaultRevocationGrace = 10 * time.Second
+
+// maxRevocationGrace is sarama's rebalance timeout, which the grace must
+// stay below.
+const maxRevocationGrace = 60 * time.Second
+
 // Config configures a [Pipeline]. Optional fields have working zero values;
 // each field's documentation ends with its default.
 type Config struct {
@@ -86,6 +94,18 @@ type Config struct {
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
+	// RevocationGrace is how long the attempts under way of a partition
+	// this process gives up (a rebalance, or the stop) may go on to finish
+	// and commit before they are cancelled (rolled back, and run again by
+	// the partition's next owner, their claims deciding). Nothing new
+	// starts meanwhile, and the grace ends as soon as the last of them is
+	// done: it delays the group's rebalance by the longest attempt under
+	// way, this at most. Cover one call to a provider (its request
+	// timeout): a call cut off in the middle leaves the provider holding
+	// its Idempotency-Key, and the next owner's call waits on it. Below
+	// the group's rebalance timeout (60s), or the member is dropped from
+	// the group. Default: [DefaultRevocationGrace]. Negative: none.
+	RevocationGrace time.Duration
 
 	// MaxEventAge may make the dedup horizon shorter than the claims'
 	// recorded retention minus MaxClockSkew, which it follows by default;
@@ -312,6 +332,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
 	}
+	if c.RevocationGrace == 0 {
+		c.RevocationGrace = DefaultRevocationGrace
+	}
 	if c.AttemptTimeout == 0 {
 		c.AttemptTimeout = 2 * time.Minute
 	}
@@ -359,6 +382,10 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 ||
 		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
+	}
+	if c.RevocationGrace >= maxRevocationGrace {
+		errs = append(errs, fmt.Errorf("pipeline: RevocationGrace %s must stay below the group's rebalance timeout, %s: a member that takes longer to give its partitions up is dropped from the group",
+			c.RevocationGrace, maxRevocationGrace))
 	}
 	errs = append(errs, c.Tables.Validate())
 	if _, err := newPublisher(nil, c.Outgoing); err != nil {
@@ -727,6 +754,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	if sub == nil && !p.local {
 		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
 		sub.closeTimeout = cfg.CloseTimeout
+		sub.revocationGrace = max(cfg.RevocationGrace, 0)
 		p.subs[g.name] = sub
 		p.closers = append(p.closers, sub.Close)
 	}
