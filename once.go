@@ -160,6 +160,12 @@ type Config struct {
 	// bounds leaving the groups on a broker that does not answer). Default:
 	// [DefaultDrainTimeout].
 	DrainTimeout time.Duration
+	// RevocationGrace is how long a partition's attempts under way may go
+	// on, when this instance gives the partition up (a rebalance, a
+	// deploy), to finish and commit before they are cancelled: cover one
+	// provider call, so that none is cut off in the middle. See
+	// pipeline.Config. Default: [pipeline.DefaultRevocationGrace].
+	RevocationGrace time.Duration
 
 	// Registry holds the service's metrics, served by [Service.Handler];
 	// register your own there too. Default: a registry of the service's,
@@ -310,7 +316,7 @@ func (c Config) pipelineConfig(db pgdb.DB, groupDBs map[string]pipeline.DB) pipe
 		DB: db, GroupDBs: groupDBs, Topics: c.Topics, Outgoing: c.Outgoing, Tables: c.Tables,
 		CommitMode: c.CommitMode, CommitInterval: c.CommitInterval, HoldBackoff: c.HoldBackoff, HoldMaxBackoff: c.HoldMaxBackoff,
 		AttemptTimeout: c.AttemptTimeout, StatementTimeout: c.StatementTimeout, TxStatementTimeout: c.TxStatementTimeout,
-		SessionTimeout: c.SessionTimeout, CloseTimeout: c.DrainTimeout,
+		SessionTimeout: c.SessionTimeout, CloseTimeout: c.DrainTimeout, RevocationGrace: c.RevocationGrace,
 		MaxEventAge: c.MaxEventAge, MaxClockSkew: c.MaxClockSkew,
 		Hooks: c.Hooks, Logger: c.Logger,
 	}

@@ -611,6 +611,11 @@ type groupRow struct {
 	Partitions   string
 	Held         int
 	OldestHeld   time.Duration
+	Order        string
+	KeyOrdered   bool
+	HeldKeys     int
+	Pinned       time.Duration
+	WindowFull   int
 }
 
 type holdRow struct {
@@ -643,7 +648,12 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		for _, p := range slices.Sorted(slices.Values(s.Partitions)) {
 			parts = append(parts, strconv.Itoa(int(p)))
 		}
-		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld})
+		order := string(s.Order)
+		if order == "" {
+			order = "batched"
+		}
+		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld,
+			Order: order, KeyOrdered: s.Order == pipeline.OrderKey, HeldKeys: s.HeldKeys, Pinned: s.Pinned, WindowFull: s.WindowFull})
 	}
 	for _, h := range c.cfg.Groups.Holds() {
 		row := holdRow{Topic: h.Topic, Group: h.Group, Partition: h.Partition, Offset: h.Offset, Key: h.Key, For: now.Sub(h.Since), Attempts: h.Attempts}

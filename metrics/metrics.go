@@ -52,6 +52,7 @@ type Metrics struct {
 	forwarded                         *prometheus.CounterVec
 	lag, joined, assigned             *prometheus.GaugeVec
 	held, oldestHeld                  *prometheus.GaugeVec
+	heldKeys, pinned, windowFull      *prometheus.GaugeVec
 	claimPartitions, oldestClaimAge   *prometheus.GaugeVec
 	parkedLetters, oldestParkedLetter *prometheus.GaugeVec
 	watchErrors                       *prometheus.CounterVec
@@ -96,6 +97,12 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Messages held now because the environment failed their attempts."}, tg),
 		oldestHeld: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "oldest_held_seconds",
 			Help: "How long the oldest message held now has been held (0: none)."}, tg),
+		heldKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "held_keys",
+			Help: "Keys a held message holds now, of a key-ordered group: their later messages wait, the other keys go on."}, tg),
+		pinned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "commit_pinned_seconds",
+			Help: "Of a key-ordered group: the longest any partition's committed offset has stood at its first unfinished message (a crash redelivers from there)."}, tg),
+		windowFull: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "window_full_partitions",
+			Help: "Of a key-ordered group: partitions whose in-flight window is full, where nothing new starts until the first unfinished message is done."}, tg),
 		claimPartitions: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "claim_partitions",
 			Help: "Partitions of the claim table (daily ones and the default)."}, []string{"store"}),
 		oldestClaimAge: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "oldest_claim_age_seconds",
@@ -122,6 +129,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m.batchSize = register(reg, m.batchSize, &errs)
 	m.batchRunAlone = register(reg, m.batchRunAlone, &errs)
 	m.afterEffects = register(reg, m.afterEffects, &errs)
+	m.heldKeys = register(reg, m.heldKeys, &errs)
+	m.pinned = register(reg, m.pinned, &errs)
+	m.windowFull = register(reg, m.windowFull, &errs)
 	m.batchDeadlocks = register(reg, m.batchDeadlocks, &errs)
 	m.forwarded = register(reg, m.forwarded, &errs)
 	m.lag = register(reg, m.lag, &errs)
@@ -273,6 +283,9 @@ func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stor
 		m.assigned.WithLabelValues(s.Topic, s.Group).Set(float64(len(s.Partitions)))
 		m.held.WithLabelValues(s.Topic, s.Group).Set(float64(s.Held))
 		m.oldestHeld.WithLabelValues(s.Topic, s.Group).Set(s.OldestHeld.Seconds())
+		m.heldKeys.WithLabelValues(s.Topic, s.Group).Set(float64(s.HeldKeys))
+		m.pinned.WithLabelValues(s.Topic, s.Group).Set(s.Pinned.Seconds())
+		m.windowFull.WithLabelValues(s.Topic, s.Group).Set(float64(s.WindowFull))
 	}
 	lags, err := p.Lag(ctx)
 	if err != nil {

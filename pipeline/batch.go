@@ -644,12 +644,27 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 	}
 	attemptCtx, cancel := context.WithTimeout(ctx, b.p.cfg.AttemptTimeout)
 	defer cancel()
+	// Each partition's attempts under way count the batch: it gets the
+	// revocation grace of every partition it holds, and ends when the
+	// first of those ends. One revoked already cancels it at once.
 	owners := map[context.Context]bool{}
 	for _, it := range batch {
-		if o := it.e.queue.owner; !owners[o] {
-			owners[o] = true
-			defer context.AfterFunc(o, cancel)()
+		o := it.e.queue.owner
+		if owners[o] {
+			continue
 		}
+		owners[o] = true
+		run := runOf(it.frozen)
+		if run == nil {
+			defer context.AfterFunc(o, cancel)()
+			continue
+		}
+		if !run.begin(o) {
+			cancel()
+			continue
+		}
+		defer run.end()
+		defer context.AfterFunc(run.hard, cancel)()
 	}
 	started := time.Now()
 	results := b.idem.ProcessBatch(attemptCtx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {

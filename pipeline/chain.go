@@ -155,14 +155,16 @@ func (d *deliveryInfo) subscriptionEnded() bool {
 	return d.orig.Err() != nil
 }
 
-// releaseRevoked acknowledges a message given up because its partition was
-// revoked: watermill-kafka does not mark the offset of a message acknowledged
-// after its session ended, so the partition's new owner receives it again.
+// releaseRevoked gives back, unacknowledged, a message given up because its
+// partition was revoked: the partition's new owner receives it again. It is
+// never acknowledged: the subscriber goes on marking what the attempts under
+// way finish during the revocation grace, and an acknowledgement would mark
+// a message that was not processed.
 func releaseRevoked(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
 		if errors.Is(err, ErrRevoked) {
-			return nil, nil
+			return nil, ErrRevoked
 		}
 		return out, err
 	}
@@ -266,7 +268,10 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 func (p *Pipeline) park(msg *message.Message, db DB, d Delivery, letter dlq.Letter) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), p.cfg.StatementTimeout)
 	defer cancel()
-	if owner := ownerOf(msg); owner != nil {
+	if run := runOf(msg); run != nil {
+		// A letter being written at the revocation gets the grace.
+		defer context.AfterFunc(run.hard, cancel)()
+	} else if owner := ownerOf(msg); owner != nil {
 		defer context.AfterFunc(owner, cancel)()
 	}
 	parked := true
@@ -325,7 +330,11 @@ func decodedID(decode func([]byte) (decoded, error), payload []byte) (id uuid.UU
 // context that ends when the partition is revoked, so a call stuck on a
 // database that went silent cannot hold a rebalance up; the wait between
 // attempts ends on revocation (ErrRevoked) and on shutdown (errShutdown).
-func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
+//
+// slots, when not nil, bounds a key-ordered group's attempts at once (its
+// Concurrency): each attempt takes a slot (and so a connection) for its
+// run only, and none while it waits for its next try.
+func (p *Pipeline) hold(topic, group string, slots chan struct{}) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			// One record of external effects for every attempt of this
@@ -342,7 +351,11 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 			var heldSince time.Time
 			owner := ownerOf(msg)
 			for attempt := 1; ; attempt++ {
+				if err := p.awaitSlot(slots, revoked); err != nil {
+					return nil, err
+				}
 				out, err := p.attempt(msg, h, owner, attempt)
+				freeSlot(slots)
 				if errors.Is(err, errOutwaited) && !p.stopped(msg) && !isClosed(revoked) {
 					if msg.Context().Err() != nil {
 						// Not the attempt's time but the message's own
@@ -383,6 +396,28 @@ func (p *Pipeline) hold(topic, group string) message.HandlerMiddleware {
 				wait = min(2*wait, p.cfg.HoldMaxBackoff)
 			}
 		}
+	}
+}
+
+// awaitSlot takes one of slots, once one is free (nil slots: none to
+// take). A revocation or the shutdown ends the wait.
+func (p *Pipeline) awaitSlot(slots chan struct{}, revoked <-chan struct{}) error {
+	if slots == nil {
+		return nil
+	}
+	select {
+	case slots <- struct{}{}:
+		return nil
+	case <-revoked:
+		return ErrRevoked
+	case <-p.stopping:
+		return errShutdown
+	}
+}
+
+func freeSlot(slots chan struct{}) {
+	if slots != nil {
+		<-slots
 	}
 }
 
@@ -433,15 +468,22 @@ func (p *Pipeline) whyEnded(msg *message.Message, revoked <-chan struct{}) error
 var errMessageContextDone = errors.New("pipeline: the message context ended (a middleware's timeout?); redelivering it")
 
 // attempt runs the rest of the chain once, on a context that ends after
-// AttemptTimeout or when the session that owns the message's partition ends
-// (owner, nil for none).
+// AttemptTimeout, or when the partition's revocation grace ends after the
+// session that owns it (owner, nil for none) ended. No attempt begins
+// after that session's end.
 func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, owner context.Context, attempt int) ([]*message.Message, error) {
 	parent := msg.Context()
 	ctx, cancel := context.WithTimeout(context.WithValue(parent, attemptCtxKey{}, attempt), p.cfg.AttemptTimeout)
 	defer cancel()
-	if owner != nil {
+	if run := runOf(msg); run != nil && owner != nil {
+		if !run.begin(owner) {
+			return nil, ErrRevoked
+		}
+		defer run.end()
 		// A callback, not a goroutine watching the revocation: this runs
 		// for every message.
+		defer context.AfterFunc(run.hard, cancel)()
+	} else if owner != nil {
 		defer context.AfterFunc(owner, cancel)()
 	}
 	msg.SetContext(ctx)

@@ -8,6 +8,7 @@ import (
 	"runtime/debug"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/trace"
 
@@ -23,6 +25,14 @@ import (
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/schema"
 )
+
+// DefaultRevocationGrace is Config.RevocationGrace by default: two of a
+// payment client's 5-second requests.
+const DefaultRevocationGrace = 10 * time.Second
+
+// maxRevocationGrace is sarama's rebalance timeout, which the grace must
+// stay below.
+const maxRevocationGrace = 60 * time.Second
 
 // Config configures a [Pipeline]. Optional fields have working zero values;
 // each field's documentation ends with its default.
@@ -84,6 +94,18 @@ type Config struct {
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
+	// RevocationGrace is how long the attempts under way of a partition
+	// this process gives up (a rebalance, or the stop) may go on to finish
+	// and commit before they are cancelled (rolled back, and run again by
+	// the partition's next owner, their claims deciding). Nothing new
+	// starts meanwhile, and the grace ends as soon as the last of them is
+	// done: it delays the group's rebalance by the longest attempt under
+	// way, this at most. Cover one call to a provider (its request
+	// timeout): a call cut off in the middle leaves the provider holding
+	// its Idempotency-Key, and the next owner's call waits on it. Below
+	// the group's rebalance timeout (60s), or the member is dropped from
+	// the group. Default: [DefaultRevocationGrace]. Negative: none.
+	RevocationGrace time.Duration
 
 	// MaxEventAge may make the dedup horizon shorter than the claims'
 	// recorded retention minus MaxClockSkew, which it follows by default;
@@ -310,6 +332,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
 	}
+	if c.RevocationGrace == 0 {
+		c.RevocationGrace = DefaultRevocationGrace
+	}
 	if c.AttemptTimeout == 0 {
 		c.AttemptTimeout = 2 * time.Minute
 	}
@@ -358,6 +383,10 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
 	}
+	if c.RevocationGrace >= maxRevocationGrace {
+		errs = append(errs, fmt.Errorf("pipeline: RevocationGrace %s must stay below the group's rebalance timeout, %s: a member that takes longer to give its partitions up is dropped from the group",
+			c.RevocationGrace, maxRevocationGrace))
+	}
 	errs = append(errs, c.Tables.Validate())
 	if _, err := newPublisher(nil, c.Outgoing); err != nil {
 		errs = append(errs, err)
@@ -391,7 +420,62 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 		}
 		topics = append(topics, b)
 	}
+	errs = append(errs, poolsServe(topics))
 	return version, topics, errors.Join(errs...)
+}
+
+// poolsServe refuses a pool with fewer connections than the attempts its
+// groups run at once, where a key-ordered group runs: each key-ordered
+// group's Concurrency and each batched group's Batch.Concurrency, a connection each for the whole
+// attempt (a provider's call inside the transaction included). Too few,
+// and the attempts wait for a connection inside their attempt's time,
+// where the wait counts against them, instead of for a slot. A DB that
+// does not say its size (not a *pgxpool.Pool) is not checked.
+func poolsServe(topics []topicBinding) error {
+	type use struct {
+		attempts   int
+		who        []string
+		keyOrdered bool
+	}
+	uses := map[DB]*use{}
+	var order []DB
+	for _, t := range topics {
+		for _, g := range t.groups {
+			n, what := 0, ""
+			switch {
+			case g.handleBatch != nil:
+				n, what = g.batch.Concurrency, "Batch.Concurrency"
+			case g.keyOrdered:
+				n, what = g.concurrency, "Concurrency"
+			default:
+				continue
+			}
+			u := uses[g.db]
+			if u == nil {
+				u = &use{}
+				uses[g.db] = u
+				order = append(order, g.db)
+			}
+			u.attempts += n
+			u.keyOrdered = u.keyOrdered || g.keyOrdered
+			u.who = append(u.who, fmt.Sprintf("%s on %s (%s %d)", g.name, t.name, what, n))
+		}
+	}
+	var errs []error
+	for _, db := range order {
+		sized, ok := db.(interface{ Stat() *pgxpool.Stat })
+		if !ok || !uses[db].keyOrdered {
+			// Batched groups alone wait for a connection within a batch's
+			// time, as they always have: not refused.
+			continue
+		}
+		if most := int(sized.Stat().MaxConns()); uses[db].attempts > most {
+			errs = append(errs, fmt.Errorf("pipeline: a pool of MaxConns %d serves groups that run up to %d attempts at once, each on a connection of its own: %s; "+
+				"raise the pool's MaxConns (pool_max_conns in its URL, and PgBouncer's default_pool_size behind it) or lower their concurrency",
+				most, uses[db].attempts, strings.Join(uses[db].who, ", ")))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Pipeline runs consumer groups on topics in one Watermill router, and,
@@ -654,8 +738,15 @@ func (p *Pipeline) stop() { p.stopOnce.Do(func() { close(p.stopping) }) }
 func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.LoggerAdapter) (builtGroup, error) {
 	cfg := p.cfg
 	window := 1 // one message of a partition at a time keeps its events in order
-	if g.handleBatch != nil {
+	var gate *keyGate
+	var slots chan struct{}
+	switch {
+	case g.handleBatch != nil:
 		window = g.batch.Window
+	case g.keyOrdered:
+		window = g.window
+		gate = newKeyGate(window)
+		slots = make(chan struct{}, g.concurrency)
 	}
 	// One subscriber, and so one member of the Kafka group, per group name,
 	// whatever number of topics it reads.
@@ -663,6 +754,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 	if sub == nil && !p.local {
 		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
 		sub.closeTimeout = cfg.CloseTimeout
+		sub.revocationGrace = max(cfg.RevocationGrace, 0)
 		p.subs[g.name] = sub
 		p.closers = append(p.closers, sub.Close)
 	}
@@ -709,12 +801,22 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		}
 		p.batchers = append(p.batchers, batch)
 	}
+	if gate != nil {
+		onSend = gate.announce
+	}
 	if sub != nil {
 		f := sub.addTopic(t.name, window, onSend)
 		if batch != nil {
 			batch.toRouter = f.send
 		}
-		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f})
+		order := OrderPartition
+		switch {
+		case batch != nil:
+			order = ""
+		case gate != nil:
+			order = OrderKey
+		}
+		p.groups = append(p.groups, groupRef{topic: t.name, group: g.name, feed: f, gate: gate, order: order})
 	}
 
 	var chain []message.HandlerMiddleware
@@ -727,12 +829,17 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		// it to the partition's next owner.
 		chain = append(chain, releaseRevoked)
 	}
+	if gate != nil {
+		// Outside everything that runs the message (a team's Observe
+		// included): its turn comes first.
+		chain = append(chain, gate.order(p))
+	}
 	chain = append(chain, refuseReturnedMessages(cfg.Logger, t.name, g.name))
 	chain = append(chain, g.extra.Observe...)
 	chain = append(chain,
 		middleware.CorrelationID,
 		p.deadLetter(t, g),
-		p.hold(t.name, g.name),
+		p.hold(t.name, g.name, slots),
 		middleware.Recoverer,
 		decodeWith(g.decode),
 	)

@@ -29,6 +29,19 @@ type GroupStatus struct {
 	// how long the oldest of them has been held.
 	Held       int
 	OldestHeld time.Duration
+	// Order is the group's order of a partition's messages; empty for a
+	// batched group, whose batches keep its partitions' order.
+	Order Order
+	// Of a key-ordered group (see [OrderKey]): HeldKeys, the keys a held
+	// message holds now (each key's later messages wait for it, the other
+	// keys go on); Pinned, the longest any of its partitions' commit
+	// points has stood at the partition's first unfinished message (a
+	// crash redelivers from there); WindowFull, its partitions whose
+	// window is full, where nothing new starts until the first unfinished
+	// message is done.
+	HeldKeys   int
+	Pinned     time.Duration
+	WindowFull int
 }
 
 // Status reports every consumer group of the pipeline, in configuration
@@ -37,20 +50,31 @@ func (p *Pipeline) Status() []GroupStatus {
 	now := time.Now()
 	p.holdsMu.Lock()
 	held := map[[2]string][]time.Time{}
+	heldKeys := map[[2]string]map[string]bool{}
 	for _, h := range p.holds {
 		k := [2]string{h.topic, h.group}
 		held[k] = append(held[k], h.since)
+		if heldKeys[k] == nil {
+			heldKeys[k] = map[string]bool{}
+		}
+		// One partition's keyless message holds all of its keys; counted
+		// as one, its partition's window shows the rest.
+		heldKeys[k][fmt.Sprint(h.at.Partition, "/", h.at.Key)] = true
 	}
 	p.holdsMu.Unlock()
 	out := make([]GroupStatus, 0, len(p.groups))
 	for _, g := range p.groups {
-		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load()}
+		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load(), Order: g.order}
 		if parts := g.feed.assigned.Load(); parts != nil {
 			s.Partitions = slices.Clone(*parts)
 		}
 		for _, since := range held[[2]string{g.topic, g.group}] {
 			s.Held++
 			s.OldestHeld = max(s.OldestHeld, now.Sub(since))
+		}
+		if g.gate != nil {
+			gs := g.gate.status(now)
+			s.HeldKeys, s.Pinned, s.WindowFull = len(heldKeys[[2]string{g.topic, g.group}]), gs.pinned, gs.full
 		}
 		out = append(out, s)
 	}
@@ -61,6 +85,8 @@ func (p *Pipeline) Status() []GroupStatus {
 type groupRef struct {
 	topic, group string
 	feed         *feed
+	gate         *keyGate // a key-ordered group's; nil for others
+	order        Order
 }
 
 // holdEntry is a message held now (see Pipeline.hold).

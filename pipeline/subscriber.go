@@ -63,6 +63,9 @@ type subscriber struct {
 	running   sync.WaitGroup
 	// closeTimeout bounds Close's wait for the group to leave.
 	closeTimeout time.Duration
+	// revocationGrace: how long a partition's attempts under way may go on
+	// after its session ended (see claimRun).
+	revocationGrace time.Duration
 }
 
 // closeFeed closes f's channel once: its handler in the router ends.
@@ -275,19 +278,21 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	if f == nil {
 		return fmt.Errorf("pipeline: consumer group %s was given topic %s, which it does not read", h.s.group, claim.Topic())
 	}
+	run := newClaimRun(owner)
 	// In flight, in order. Its capacity and the one the acker waits on make
 	// the window: a message is queued here before it is handed out.
 	inFlight := make(chan *handedOut, f.window-1)
 	ackerDone := make(chan struct{})
 	go func() {
 		defer close(ackerDone)
-		h.ack(sess, owner, f, inFlight)
+		h.ack(sess, owner, run, f, inFlight)
 	}()
-	waitForAcker := true
+	grace := h.s.revocationGrace
 	defer func() {
-		if waitForAcker {
-			<-ackerDone
-		}
+		// The attempts under way finish (within the grace), their offsets
+		// are marked, and the session commits them once this returns.
+		run.finish(grace)
+		<-ackerDone
 	}()
 	messages := claim.Messages()
 	for {
@@ -305,12 +310,12 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 					// unrelated rebalance.
 					h.s.log.Warn("kafka: a partition's consumer stopped inside the session (offset out of range?); rejoining the group",
 						"consumer_group", h.s.group, "topic", claim.Topic(), "partition", claim.Partition())
-					waitForAcker = false
+					grace = 0
 				}
 				return nil
 			}
 			m := &handedOut{km: km}
-			m.msg, m.settle = h.message(km, owner)
+			m.msg, m.settle = h.message(km, owner, run)
 			select {
 			case inFlight <- m:
 			case <-owner.Done():
@@ -343,43 +348,46 @@ type handedOut struct {
 // message given back behind one still in flight is handed out again when
 // its turn comes. Each message's context ends here when its turn comes,
 // and sooner when a watcher of its own saw it settled (see sendLocked).
-func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, f *feed, inFlight <-chan *handedOut) {
+//
+// After the session ended it goes on until the attempts under way are done
+// (run's hard context): what they finish is marked, and the session
+// commits it; a message given back then is the next owner's, and nothing
+// after it is marked.
+func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, run *claimRun, f *feed, inFlight <-chan *handedOut) {
 	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
+	hard := run.hard.Done()
 	for {
 		var m *handedOut
 		select {
 		case m = <-inFlight:
-		case <-owner.Done():
-			return
-		case <-h.ctx.Done():
+		case <-hard:
 			return
 		}
 		for {
 			select {
 			case <-m.msg.Acked():
 			case <-m.msg.Nacked():
+				if owner.Err() != nil {
+					return
+				}
 				select {
 				case <-time.After(nackResendSleep):
 				case <-owner.Done():
 					return
-				case <-h.ctx.Done():
-					return
 				}
 				m.settle()
-				m.msg, m.settle = h.message(m.km, owner)
+				m.msg, m.settle = h.message(m.km, owner, run)
 				if !h.handOut(f, m.msg) {
 					return
 				}
 				continue
-			case <-owner.Done():
-				return
-			case <-h.ctx.Done():
+			case <-hard:
 				return
 			}
 			break
 		}
 		m.settle()
-		if owner.Err() == nil {
+		if run.hard.Err() == nil {
 			sess.MarkOffset(m.km.Topic, m.km.Partition, m.km.Offset+1, "")
 			if commitEach {
 				sess.Commit()
@@ -395,10 +403,10 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 // shutdown. Nothing of the pipeline works on a message's context after
 // that: the router acknowledges a message once its chain returned, a batch
 // after its commit, and the claim's commit runs on a context of its own.
-func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context) (*message.Message, context.CancelFunc) {
+func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context, run *claimRun) (*message.Message, context.CancelFunc) {
 	msg, _ := unmarshaler{}.Unmarshal(km) // never fails
-	ctx, settle := context.WithCancel(owner)
-	msg.SetContext(context.WithValue(ctx, claimCtxKey{}, claimInfo{owner: owner, subscription: h.ctx, topic: km.Topic, partition: km.Partition, settle: settle}))
+	ctx, settle := context.WithCancel(run.hard)
+	msg.SetContext(context.WithValue(ctx, claimCtxKey{}, claimInfo{owner: owner, subscription: h.ctx, topic: km.Topic, partition: km.Partition, settle: settle, run: run}))
 	return msg, settle
 }
 
@@ -433,6 +441,9 @@ func (f *feed) send(msg *message.Message) bool {
 func (f *feed) sendLocked(msg *message.Message) bool {
 	var revoked <-chan struct{}
 	if c, ok := claimOf(msg); ok {
+		if c.owner.Err() != nil {
+			return false // revoked: the select below might still pick the send
+		}
 		revoked = c.owner.Done()
 		if f.window > 1 {
 			// Messages of a window are acknowledged in any order, and the
@@ -485,6 +496,74 @@ type claimInfo struct {
 	settle       context.CancelFunc
 	topic        string
 	partition    int32
+	// run is the partition's attempts under way: they outlive owner by
+	// the revocation grace (see claimRun); nil for none.
+	run *claimRun
+}
+
+// claimRun is a partition's attempts under way in this session. When the
+// session ends (a revocation, or the stop), no attempt begins any more, the
+// ones under way get the revocation grace to finish and commit, and then
+// hard ends, which cancels whatever still runs: an attempt cut off before
+// its commit rolls back and the partition's next owner runs it, but one
+// that started a provider's call is rarely cut off in the middle, and the
+// next owner does not wait on that call's idempotency key.
+type claimRun struct {
+	hard    context.Context
+	endHard context.CancelFunc
+
+	mu       sync.Mutex
+	underWay int
+	idle     chan struct{} // closed when underWay drops to 0; nil while nobody waits
+}
+
+func newClaimRun(owner context.Context) *claimRun {
+	hard, end := context.WithCancel(context.WithoutCancel(owner))
+	return &claimRun{hard: hard, endHard: end}
+}
+
+// begin counts an attempt under way, unless the session has ended (owner):
+// none begins after the revocation.
+func (r *claimRun) begin(owner context.Context) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if owner.Err() != nil || r.hard.Err() != nil {
+		return false
+	}
+	r.underWay++
+	return true
+}
+
+func (r *claimRun) end() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.underWay--
+	if r.underWay == 0 && r.idle != nil {
+		close(r.idle)
+		r.idle = nil
+	}
+}
+
+// finish waits, once the session ended, for the attempts under way to end,
+// for grace at most, then ends hard.
+func (r *claimRun) finish(grace time.Duration) {
+	defer r.endHard()
+	r.mu.Lock()
+	if r.underWay == 0 || grace <= 0 {
+		r.mu.Unlock()
+		return
+	}
+	if r.idle == nil {
+		r.idle = make(chan struct{})
+	}
+	idle := r.idle
+	r.mu.Unlock()
+	timer := time.NewTimer(grace)
+	defer timer.Stop()
+	select {
+	case <-idle:
+	case <-timer.C:
+	}
 }
 
 func claimOf(msg *message.Message) (claimInfo, bool) {
@@ -501,6 +580,18 @@ func ownerOf(msg *message.Message) context.Context {
 	}
 	if c, ok := claimOf(msg); ok {
 		return c.owner
+	}
+	return nil
+}
+
+// runOf is the attempts under way of msg's partition, nil for a message
+// from another subscriber.
+func runOf(msg *message.Message) *claimRun {
+	if d, ok := msg.Context().Value(deliveryCtxKey{}).(*deliveryInfo); ok {
+		return d.claim.run
+	}
+	if c, ok := claimOf(msg); ok {
+		return c.run
 	}
 	return nil
 }

@@ -42,7 +42,7 @@ func TestAFailedSubscriptionClosesTheGroupsOtherTopics(t *testing.T) {
 
 // The subscriber ends a message's context with its partition's session,
 // which is no shutdown: a message whose partition was revoked pauses no
-// more and is given up as revoked (acknowledged unmarked, for the new
+// more and is given up as revoked (given back unmarked, for the new
 // owner), and only the subscription's end is a shutdown. Judged by the
 // context alone, as before, the revocation was a shutdown.
 func TestTheEndOfAMessagesSessionIsARevocationNotAShutdown(t *testing.T) {
@@ -60,7 +60,8 @@ func TestTheEndOfAMessagesSessionIsARevocationNotAShutdown(t *testing.T) {
 			session, endSession := context.WithCancel(subscription) // as sarama derives it
 			defer endSession()
 			h := &claimHandler{s: newSubscriber(nil, "g", sarama.NewConfig(), slog.New(slog.DiscardHandler)), ctx: subscription}
-			msg, settle := h.message(&sarama.ConsumerMessage{Topic: "t", Partition: 0, Offset: 7}, session)
+			run := newClaimRun(session)
+			msg, settle := h.message(&sarama.ConsumerMessage{Topic: "t", Partition: 0, Offset: 7}, session, run)
 			defer settle()
 			// What the chain's first stage remembers of the delivery.
 			orig := msg.Context()
@@ -69,6 +70,7 @@ func TestTheEndOfAMessagesSessionIsARevocationNotAShutdown(t *testing.T) {
 			p := &Pipeline{stopping: make(chan struct{})}
 
 			c.end(endSession, endSubscription)
+			run.finish(time.Minute) // nothing under way: at once, as ConsumeClaim does
 			if msg.Context().Err() == nil {
 				t.Fatal("the message's context did not end")
 			}

@@ -179,6 +179,9 @@ type Topic[E Event] struct {
 	IDNamespace string
 }
 
+// DefaultConcurrency is a key-ordered group's Concurrency by default.
+const DefaultConcurrency = 16
+
 // Group is one consumer group on a topic: its Kafka consumer group id and the
 // second half of its dedup key are both Name.
 type Group[E Event] struct {
@@ -196,6 +199,25 @@ type Group[E Event] struct {
 	HandleBatch BatchHandlerFunc[E]
 	// Batch sizes HandleBatch's batches.
 	Batch Batch
+	// Order is how the group orders a partition's messages: [OrderPartition],
+	// one at a time, or [OrderKey], many at once in order per Kafka key, for
+	// a handler that waits (a provider's call). A batched group keeps its
+	// partitions' order in its batches and takes no other. Default:
+	// OrderPartition, the order the group had before it could choose: a
+	// handler written for it may rely on events of two keys not running at
+	// once.
+	Order Order
+	// Concurrency is, with OrderKey, the most messages of the group's
+	// partitions of this topic that run at once in this process. Each runs
+	// in a transaction of its own, on a connection of its own, for the
+	// whole attempt (a provider's call inside it included): New refuses a
+	// pool that cannot serve every such group at once. Default: 16.
+	Concurrency int
+	// Window is, with OrderKey, the most messages of one partition in
+	// flight at once (running, waiting for their key, or held): how far the
+	// other keys of a partition run past a held one, and what a partition
+	// keeps in memory whatever its lag. Default: 4 × Concurrency.
+	Window int
 	// DB holds the group's claims and business tables. Default: Config.DB.
 	DB DB
 	// TooOld is the group's policy for events beyond Config.MaxEventAge.
@@ -268,6 +290,9 @@ type groupBinding struct {
 	// handleBatch is nil for a group without the group commit.
 	handleBatch func(ctx context.Context, tx pgx.Tx, evs []any) error
 	batch       Batch
+	// keyOrdered: Order is OrderKey, with concurrency and window set.
+	keyOrdered          bool
+	concurrency, window int
 }
 
 // decoded is an event as the chain carries it between decode and handle.
@@ -525,6 +550,17 @@ func (t Topic[E]) binding() (topicBinding, error) {
 		if g.Batch.Size < 0 || g.Batch.MaxWait < 0 || g.Batch.Window < 0 || g.Batch.Concurrency < 0 {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Batch.Size, Batch.MaxWait, Batch.Window and Batch.Concurrency must not be negative", t.Name, g.Name))
 		}
+		switch {
+		case g.Order != "" && g.Order != OrderPartition && g.Order != OrderKey:
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Order %q: want %q or %q", t.Name, g.Name, g.Order, OrderPartition, OrderKey))
+		case g.Order == OrderKey && g.HandleBatch != nil:
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Order %q is for a per-event group; a batched group (HandleBatch) keeps its partitions' order in its batches", t.Name, g.Name, g.Order))
+		case g.Concurrency < 0 || g.Window < 0:
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Concurrency and Window must not be negative", t.Name, g.Name))
+		case g.Order != OrderKey && (g.Concurrency != 0 || g.Window != 0):
+			errs = append(errs, fmt.Errorf("pipeline: topic %s, group %s: Concurrency %d and Window %d need Order %q (a partition's messages run one at a time otherwise)",
+				t.Name, g.Name, g.Concurrency, g.Window, OrderKey))
+		}
 		if seen[g.Name] {
 			errs = append(errs, fmt.Errorf("pipeline: topic %s: group %s listed twice", t.Name, g.Name))
 		}
@@ -541,6 +577,15 @@ func (t Topic[E]) binding() (topicBinding, error) {
 			decode: decode,
 			handle: func(ctx context.Context, tx pgx.Tx, ev any) error { return handle(ctx, tx, ev.(E)) },
 			batch:  g.Batch,
+		}
+		if g.Order == OrderKey {
+			gb.keyOrdered, gb.concurrency, gb.window = true, g.Concurrency, g.Window
+			if gb.concurrency == 0 {
+				gb.concurrency = DefaultConcurrency
+			}
+			if gb.window == 0 {
+				gb.window = 4 * gb.concurrency
+			}
 		}
 		if handleBatch != nil {
 			gb.batch.setDefaults()

@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -45,6 +46,20 @@ func (q quietLogger) Trace(msg string, fields watermill.LogFields) {
 	if q.log.Enabled(context.Background(), watermill.LevelTrace) {
 		q.LoggerAdapter.Trace(msg, fields)
 	}
+}
+
+// Error keeps Watermill's "Handler returned error" for the errors that are
+// errors: a message given back because its partition was revoked, the
+// pipeline stops, or its context ended is given back on purpose (it comes
+// again), and is logged at debug level.
+func (q quietLogger) Error(msg string, err error, fields watermill.LogFields) {
+	if errors.Is(err, ErrRevoked) || errors.Is(err, errShutdown) || errors.Is(err, errMessageContextDone) {
+		if q.log.Enabled(context.Background(), slog.LevelDebug) {
+			q.LoggerAdapter.Debug(msg, fields.Add(watermill.LogFields{"err": err}))
+		}
+		return
+	}
+	q.LoggerAdapter.Error(msg, err, fields)
 }
 
 func (q quietLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {

@@ -67,9 +67,19 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, claimed []*message.Messag
 //
 // In h, [MarkExternalEffectOf] says which event caused an effect outside
 // the transaction: should the batch roll back, that event runs on its own
-// held after the effect, and the others keep their own verdicts.
+// held after the effect, and the others keep their own verdicts. The mark
+// travels in the message's context: a message whose context has no record
+// of its delivery's effects ([WithDelivery]) is given one here, so run the
+// same *message.Message on its own afterwards.
 func (m *Middleware) ProcessBatch(ctx context.Context, msgs []*message.Message, h BatchHandler) []error {
 	start := time.Now()
+	for _, msg := range msgs {
+		if _, ok := msg.Context().Value(attemptKey{}).(*attemptEffects); !ok {
+			// Without a record the mark would have nowhere to go, and the
+			// event's own run could dead-letter it after the money moved.
+			msg.SetContext(WithDelivery(msg.Context()))
+		}
+	}
 	errs := make([]error, len(msgs))
 	var claim, handle, commit time.Duration
 	decided := make([]bool, len(msgs)) // reported: never run on its own too

@@ -432,6 +432,27 @@ func TestABatchsEffectMarksOnlyTheEventThatCausedIt(t *testing.T) {
 	}
 }
 
+// Review finding: a message whose context had no record of its delivery's
+// effects (a team's own router, which gives none) lost its batch's mark, and
+// its own run dead-lettered it after the provider had charged. ProcessBatch
+// gives such a message a record.
+func TestABatchsEffectMarkNeedsNoRecordFromTheRouter(t *testing.T) {
+	pool := setup(t)
+	m := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: uniqueGroup(t, "g")})
+	chargedID, charged := newEvent(t)
+	_, declined := newEvent(t)
+	m.ProcessBatch(context.Background(), []*message.Message{charged, declined}, func(ctx context.Context, _ pgx.Tx, _ []*message.Message) error {
+		idempotency.MarkExternalEffectOf(ctx, chargedID, "charged")
+		return errors.New("rolled back")
+	})
+	if _, err := m.Middleware(verdictAlone)(charged); !errors.Is(err, idempotency.ErrAfterExternalEffect) || idempotency.IsPermanent(err) {
+		t.Fatalf("the charged event on its own: %v; want held after its effect", err)
+	}
+	if _, err := m.Middleware(verdictAlone)(declined); !idempotency.IsPermanent(err) {
+		t.Fatalf("the other event on its own: %v; want its own permanent verdict", err)
+	}
+}
+
 // A mark of the whole batch, or of an id that is none of its events, cannot
 // say which event moved money: every event of the batch is held after it,
 // and no mark is lost.
