@@ -31,6 +31,7 @@ type serveCmd struct {
 	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
 	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"A database of its own for a group (its claims and its tables), e.g. billing=postgres://...; groups not listed use --database-url."`
 
+	Concurrency    int           `name:"concurrency" env:"ONCE_CONCURRENCY" default:"6" help:"Key order for billing (confirmations, cancellations) and analytics on payment events: up to this many messages of each group at once, each order's events in their order (pipeline.OrderKey); every such group holds a connection per message, so their sum must fit --db-max-conns. 0: one message of a partition at a time."`
 	AnalyticsBatch int           `name:"analytics-batch" env:"ONCE_ANALYTICS_BATCH" default:"0" help:"Group commit for analytics on order.confirmed: up to this many events per transaction (pipeline.Batch); 0 commits each event on its own."`
 	Groups         []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
 	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
@@ -65,6 +66,9 @@ func (s *serveCmd) Validate() error {
 	}
 	if s.CommitInt <= 0 {
 		return fmt.Errorf("--commit-interval (ONCE_COMMIT_INTERVAL) must be positive")
+	}
+	if s.Concurrency < 0 {
+		return fmt.Errorf("--concurrency (ONCE_CONCURRENCY) must not be negative")
 	}
 	if s.AnalyticsBatch < 0 {
 		return fmt.Errorf("--analytics-batch (ONCE_ANALYTICS_BATCH) must not be negative")
@@ -220,7 +224,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 		},
 		Groups: s.Groups, GroupSuffix: s.GroupSuffix,
 		ConfirmedTopic: s.Kafka.confirmed(), CancelledTopic: s.Kafka.cancelled(), PaymentTopic: s.Kafka.payments(),
-		Currency: s.BillingCurrency, Payments: client, AnalyticsBatch: s.AnalyticsBatch, TooOld: tooOld,
+		Currency: s.BillingCurrency, Payments: client, Concurrency: s.Concurrency, AnalyticsBatch: s.AnalyticsBatch, TooOld: tooOld,
 	}
 }
 
