@@ -44,7 +44,9 @@ type serveCmd struct {
 	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
 	GroupSuffix      string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
-	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
+	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum). With --instance-id, make it cover a restart."`
+	HeartbeatInt     time.Duration `name:"heartbeat-interval" env:"ONCE_HEARTBEAT_INTERVAL" help:"How often each group's member tells the broker it is alive (default: a third of --session-timeout)."`
+	InstanceID       string        `name:"instance-id" env:"ONCE_INSTANCE_ID" help:"A name of this instance's own that survives its restarts (a StatefulSet pod's name, e.g. ONCE_INSTANCE_ID=$(POD_NAME)): a static member of its consumer groups, which takes its partitions back after a restart within --session-timeout without a rebalance. Remove it with app group remove-member after scaling in."`
 	KillAfterCommit  int           `name:"e2e-kill-after-commit" env:"ONCE_E2E_KILL_AFTER_COMMIT" hidden:"" help:"Test hook: SIGKILL this process right after the n-th database commit, before its offset is acknowledged."`
 	KillAfterForward int           `name:"e2e-kill-after-forward" env:"ONCE_E2E_KILL_AFTER_FORWARD" hidden:"" help:"Test hook: SIGKILL this process right after the n-th outbox event reached Kafka, before its row is acknowledged."`
 	OutboxRetention  time.Duration `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted (every 10 minutes)."`
@@ -215,7 +217,8 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 			MaxClockSkew: s.MaxClockSkew, OutboxRetention: s.OutboxRetention,
 			CommitMode: pipeline.CommitMode(s.CommitMode), CommitInterval: s.CommitInt, HoldMaxBackoff: s.HoldMax,
 			AttemptTimeout: s.AttemptTimeout, StatementTimeout: s.DB.StatementTimeout, TxStatementTimeout: s.DB.StatementTimeout,
-			SessionTimeout: s.SessionTimeout, DrainTimeout: s.DrainTimeout, RevocationGrace: grace(s.RevocationGrace),
+			SessionTimeout: s.SessionTimeout, HeartbeatInterval: s.HeartbeatInt, InstanceID: s.InstanceID,
+			DrainTimeout: s.DrainTimeout, RevocationGrace: grace(s.RevocationGrace),
 			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, Logger: d.log,
 			Hooks: once.Hooks{
 				OnResult: func(r idempotency.Result) {
