@@ -406,6 +406,9 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	}
 	if len(c.Brokers) == 0 {
 		errs = append(errs, errors.New("pipeline: Brokers is empty"))
+	} else if slices.Contains(c.Brokers, "") {
+		// strings.Split("", ",") of an unset variable.
+		errs = append(errs, fmt.Errorf("pipeline: Brokers %q holds an empty address (an unset KAFKA_BROKERS split on commas?)", c.Brokers))
 	}
 	if err := c.Security.Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("pipeline: Security: %w", err))
