@@ -50,6 +50,16 @@ type (
 	//     runs the events of a failed batch one by one. Default: none.
 	//   - Batch: sizes HandleBatch's batches (see [Batch]). Default: its
 	//     defaults.
+	//   - Order: a partition's messages one at a time ([OrderPartition]), or
+	//     many at once in order per Kafka key ([OrderKey]), for a handler
+	//     that waits on a provider. Not for a batched group. Default:
+	//     OrderPartition.
+	//   - Concurrency: with OrderKey, the most messages of the group that
+	//     run at once in this instance, each on a connection of its own
+	//     (MaxConns must serve them). Default: 16.
+	//   - Window: with OrderKey, the most messages of one partition in
+	//     flight (running, waiting for their key, held). Default: 4 ×
+	//     Concurrency.
 	//   - DB: the group's database. With the front door leave it nil and
 	//     name the database in Config.GroupDatabases, which the service
 	//     opens, migrates and retains. Default: Config.GroupDatabases[Name],
@@ -137,6 +147,15 @@ type (
 	// TooOldPolicy says what a group does with an event older than the
 	// dedup horizon.
 	TooOldPolicy = idempotency.TooOldPolicy
+	// Order is how a group orders a partition's messages.
+	Order = pipeline.Order
+)
+
+// The orders of a [Group]: one message of a partition at a time, the
+// default; or many at once, in order per Kafka key.
+const (
+	OrderPartition = pipeline.OrderPartition
+	OrderKey       = pipeline.OrderKey
 )
 
 // The too-old policies of a [Group].

@@ -156,6 +156,16 @@ type Config struct {
 	// its group.min.session.timeout.ms, 6s by default. Heartbeats go every
 	// third of it. Default: 10s (sarama's).
 	SessionTimeout time.Duration
+	// HeartbeatInterval: how often each group's member tells the broker it
+	// is alive. Default: a third of SessionTimeout.
+	HeartbeatInterval time.Duration
+	// InstanceID makes this instance a static member of its consumer
+	// groups (Kafka's group.instance.id): restarted under the same name
+	// within SessionTimeout (a StatefulSet pod's name, say), it takes its
+	// partitions back without a rebalance. Two instances with one name:
+	// the older stops with pipeline.ErrFenced. See pipeline.Config.
+	// Default: none, a dynamic member.
+	InstanceID string
 	// DrainTimeout is how long a stop lets messages in flight finish (and
 	// bounds leaving the groups on a broker that does not answer). Default:
 	// [DefaultDrainTimeout].
@@ -316,7 +326,8 @@ func (c Config) pipelineConfig(db pgdb.DB, groupDBs map[string]pipeline.DB) pipe
 		DB: db, GroupDBs: groupDBs, Topics: c.Topics, Outgoing: c.Outgoing, Tables: c.Tables,
 		CommitMode: c.CommitMode, CommitInterval: c.CommitInterval, HoldBackoff: c.HoldBackoff, HoldMaxBackoff: c.HoldMaxBackoff,
 		AttemptTimeout: c.AttemptTimeout, StatementTimeout: c.StatementTimeout, TxStatementTimeout: c.TxStatementTimeout,
-		SessionTimeout: c.SessionTimeout, CloseTimeout: c.DrainTimeout, RevocationGrace: c.RevocationGrace,
+		SessionTimeout: c.SessionTimeout, HeartbeatInterval: c.HeartbeatInterval, InstanceID: c.InstanceID,
+		CloseTimeout: c.DrainTimeout, RevocationGrace: c.RevocationGrace,
 		MaxEventAge: c.MaxEventAge, MaxClockSkew: c.MaxClockSkew,
 		Hooks: c.Hooks, Logger: c.Logger,
 	}

@@ -75,12 +75,16 @@ type DB struct {
 
 // NewDB connects to DATABASE_URL and makes the test's schema, with the
 // library's tables migrated in it. Without DATABASE_URL the test is
-// skipped.
+// skipped, and fails instead when ONCE_REQUIRE_SERVICES is set: set it in
+// CI, where a skipped test would pass green having tested nothing.
 func NewDB(t TB) *DB {
 	t.Helper()
 	url := os.Getenv("DATABASE_URL")
 	if url == "" {
-		t.Skip("oncetest: DATABASE_URL is not set (a PostgreSQL the test may create schemas in)")
+		if os.Getenv("ONCE_REQUIRE_SERVICES") != "" {
+			t.Fatal("oncetest: DATABASE_URL is not set, but ONCE_REQUIRE_SERVICES is: the test's PostgreSQL is missing")
+		}
+		t.Skip("oncetest: DATABASE_URL is not set (a PostgreSQL the test may create schemas in); set ONCE_REQUIRE_SERVICES=1 to fail instead")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

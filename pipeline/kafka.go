@@ -63,6 +63,10 @@ func subscriberSaramaConfig(cfg Config, version sarama.KafkaVersion, group strin
 		c.Consumer.Group.Session.Timeout = cfg.SessionTimeout
 		c.Consumer.Group.Heartbeat.Interval = cfg.SessionTimeout / 3
 	}
+	if cfg.HeartbeatInterval > 0 {
+		c.Consumer.Group.Heartbeat.Interval = cfg.HeartbeatInterval
+	}
+	c.Consumer.Group.InstanceId = cfg.InstanceID
 	return c
 }
 

@@ -30,6 +30,23 @@ import (
 // payment client's 5-second requests.
 const DefaultRevocationGrace = 10 * time.Second
 
+// validInstanceID: Kafka's rule for a group.instance.id.
+func validInstanceID(id string) bool {
+	if len(id) == 0 || len(id) > 249 || id == "." || id == ".." {
+		return false
+	}
+	for _, r := range id {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// ErrFenced is what Run returns when another process joined a consumer
+// group under this one's InstanceID: two instances were given one name.
+var ErrFenced = errors.New("pipeline: another process joined the consumer group under this process's InstanceID (group.instance.id), which fenced this one out: give each instance a name of its own")
+
 // maxRevocationGrace is sarama's rebalance timeout, which the grace must
 // stay below.
 const maxRevocationGrace = 60 * time.Second
@@ -89,8 +106,28 @@ type Config struct {
 
 	// SessionTimeout of the consumer-group membership: how long the broker
 	// waits for a crashed member before giving its partitions to others; the
-	// broker allows 6s at least. Default: sarama's 10s.
+	// broker allows 6s at least. With an InstanceID, make it cover a
+	// restart: a member back within it takes its partitions again without
+	// a rebalance. Default: sarama's 10s.
 	SessionTimeout time.Duration
+	// HeartbeatInterval is how often the member tells the broker it is
+	// alive, apart from the session timeout it must stay well under.
+	// Default: SessionTimeout / 3 (sarama's 3s for its 10s).
+	HeartbeatInterval time.Duration
+	// InstanceID makes this process a static member of each of its
+	// consumer groups (Kafka's group.instance.id, KIP-345): the same
+	// identity after a restart is the same member, and its partitions wait
+	// for it for up to SessionTimeout instead of moving to the others and
+	// back (two rebalances that stop every member). Give each instance a
+	// name of its own that survives its restarts, a StatefulSet pod's name.
+	// Two processes with one identity: the newer one fences the older,
+	// whose Run then returns [ErrFenced]. A static member sends no
+	// LeaveGroup when it stops: scaling in, remove the member
+	// (sarama.ClusterAdmin.RemoveMemberFromConsumerGroup, or app group
+	// remove-member) or its partitions wait a session timeout. Letters,
+	// digits, '.', '_' and '-', at most 249. Default: none (a dynamic
+	// member, as before).
+	InstanceID string
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
@@ -369,6 +406,9 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	}
 	if len(c.Brokers) == 0 {
 		errs = append(errs, errors.New("pipeline: Brokers is empty"))
+	} else if slices.Contains(c.Brokers, "") {
+		// strings.Split("", ",") of an unset variable.
+		errs = append(errs, fmt.Errorf("pipeline: Brokers %q holds an empty address (an unset KAFKA_BROKERS split on commas?)", c.Brokers))
 	}
 	if err := c.Security.Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("pipeline: Security: %w", err))
@@ -382,6 +422,12 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 ||
 		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
+	}
+	if c.InstanceID != "" && !validInstanceID(c.InstanceID) {
+		errs = append(errs, fmt.Errorf("pipeline: InstanceID %q: want 1 to 249 letters, digits, '.', '_' or '-' (Kafka's group.instance.id)", c.InstanceID))
+	}
+	if c.HeartbeatInterval < 0 || (c.HeartbeatInterval > 0 && c.SessionTimeout > 0 && c.HeartbeatInterval*3 > c.SessionTimeout) {
+		errs = append(errs, fmt.Errorf("pipeline: HeartbeatInterval %s: want at most a third of SessionTimeout %s", c.HeartbeatInterval, c.SessionTimeout))
 	}
 	if c.RevocationGrace >= maxRevocationGrace {
 		errs = append(errs, fmt.Errorf("pipeline: RevocationGrace %s must stay below the group's rebalance timeout, %s: a member that takes longer to give its partitions up is dropped from the group",
@@ -507,6 +553,8 @@ type Pipeline struct {
 	dlqTopics []string
 	topics    []topicBinding
 	groups    []groupRef
+	failMu    sync.Mutex
+	failed    error // why the pipeline stopped by itself (fail)
 	holdsMu   sync.Mutex
 	holds     map[*message.Message]holdEntry
 	lagState
@@ -681,9 +729,30 @@ func (p *Pipeline) Run(ctx context.Context) error {
 			return err
 		}
 		<-runCtx.Done()
-		return nil
+		return p.failure()
 	}
-	return p.router.Run(runCtx)
+	err := p.router.Run(runCtx)
+	if failed := p.failure(); failed != nil {
+		return failed
+	}
+	return err
+}
+
+// fail stops the pipeline for a reason that no retry mends (ErrFenced): Run
+// returns err.
+func (p *Pipeline) fail(err error) {
+	p.failMu.Lock()
+	if p.failed == nil {
+		p.failed = err
+	}
+	p.failMu.Unlock()
+	p.stop()
+}
+
+func (p *Pipeline) failure() error {
+	p.failMu.Lock()
+	defer p.failMu.Unlock()
+	return p.failed
 }
 
 // forward runs the outbox forwarder of one database until ctx ends,
@@ -755,6 +824,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		sub = newSubscriber(cfg.Brokers, g.name, subscriberSaramaConfig(cfg, p.version, g.name), cfg.Logger)
 		sub.closeTimeout = cfg.CloseTimeout
 		sub.revocationGrace = max(cfg.RevocationGrace, 0)
+		sub.onFatal = p.fail
 		p.subs[g.name] = sub
 		p.closers = append(p.closers, sub.Close)
 	}

@@ -405,6 +405,16 @@ func TestInvalidConfigReportsEveryProblem(t *testing.T) {
 			t.Errorf("error does not mention %q:\n%v", want, err)
 		}
 	}
+	// A newcomer's finding: an unset KAFKA_BROKERS split on commas is one
+	// empty address, which went through to a dial error far from the cause.
+	err = pipeline.Config{Brokers: strings.Split("", ","), Topics: []pipeline.Binding{pipeline.Topic[confirmed]{Name: "t", Decode: decodeConfirmed,
+		Groups: []pipeline.Group[confirmed]{{Name: "g", Handle: noop, Order: pipeline.OrderKey, HandleBatch: func(context.Context, pgx.Tx, []confirmed) error { return nil }}}}},
+		InstanceID: "pod 0", HeartbeatInterval: 5 * time.Second, SessionTimeout: 10 * time.Second}.Validate()
+	for _, want := range []string{"Brokers [\"\"] holds an empty address", "Order \"key\" is for a per-event group", "InstanceID \"pod 0\"", "HeartbeatInterval 5s"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not mention %q:\n%v", want, err)
+		}
+	}
 }
 
 // While its database is unreachable, a consumer holds its messages; but when

@@ -66,6 +66,9 @@ type subscriber struct {
 	// revocationGrace: how long a partition's attempts under way may go on
 	// after its session ended (see claimRun).
 	revocationGrace time.Duration
+	// onFatal, if set, is told of what ends consuming for good (ErrFenced);
+	// without it the subscription just ends.
+	onFatal func(error)
 }
 
 // closeFeed closes f's channel once: its handler in the router ends.
@@ -197,6 +200,9 @@ func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
 	go func() {
 		defer close(errorsDone)
 		for err := range cg.Errors() {
+			if errors.Is(err, sarama.ErrFencedInstancedId) {
+				continue // Consume returns it too; said once, there
+			}
 			s.log.Warn("kafka consumer group error", "consumer_group", s.group, "topics", topics, "err", err)
 		}
 	}()
@@ -205,6 +211,16 @@ func (s *subscriber) consume(ctx context.Context, cg sarama.ConsumerGroup) {
 		// Consume returns at every rebalance; the loop joins again.
 		if err := cg.Consume(ctx, topics, h); err != nil && ctx.Err() == nil {
 			if errors.Is(err, sarama.ErrClosedConsumerGroup) {
+				break
+			}
+			if errors.Is(err, sarama.ErrFencedInstancedId) {
+				// Another process joined under this one's group.instance.id:
+				// rejoining would fence it in turn, every second, for ever.
+				fenced := fmt.Errorf("%w (consumer group %s, group.instance.id %s)", ErrFenced, s.group, s.config.Consumer.Group.InstanceId)
+				s.log.Error("kafka: fenced out of the consumer group; stopping", "consumer_group", s.group, "instance_id", s.config.Consumer.Group.InstanceId, "err", err)
+				if s.onFatal != nil {
+					s.onFatal(fenced)
+				}
 				break
 			}
 			s.log.Warn("kafka: consuming failed; joining the group again", "consumer_group", s.group, "topics", topics, "err", err)

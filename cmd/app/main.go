@@ -63,6 +63,7 @@ type cli struct {
 	Orders          ordersCmd          `cmd:"" help:"Run the order service: POST /v1/orders writes the order and its event (outbox), a forwarder moves events to Kafka."`
 	Demo            demoCmd            `cmd:"" help:"Run the whole system in one process with duplicates from every source, and check every order was charged and counted exactly once."`
 	DLQ             dlqCmd             `cmd:"" name:"dlq" help:"Dead-letter topic tools."`
+	Group           groupCmd           `cmd:"" name:"group" help:"Consumer group tools: remove static members after scaling in."`
 	Inbox           inboxCmd           `cmd:"" name:"inbox" help:"Claim tools: was an event processed, and by whom; forget a claim."`
 	Console         consoleCmd         `cmd:"" name:"console" help:"Serve the web console (dead letters, replay, inbox) on loopback, apart from the consumers; app serve --console also shows their lag and held messages."`
 	PaymentProvider paymentProviderCmd `cmd:"" name:"payment-provider" help:"Run the payment provider simulator (idempotency keys, ledger, fault injection)."`

@@ -49,7 +49,7 @@ func TestBadSettingsAreNamed(t *testing.T) {
 func TestHelpOnEverySubcommand(t *testing.T) {
 	for _, args := range [][]string{{"--help"}, {"serve", "--help"}, {"migrate", "--help"}, {"maintain", "--help"}, {"bench", "--help"},
 		{"bench-retention", "--help"}, {"orders", "--help"}, {"demo", "--help"}, {"dlq", "list", "--help"}, {"dlq", "replay", "--help"},
-		{"inbox", "status", "--help"}, {"inbox", "forget", "--help"}, {"payment-provider", "--help"}} {
+		{"inbox", "status", "--help"}, {"inbox", "forget", "--help"}, {"payment-provider", "--help"}, {"group", "remove-member", "--help"}} {
 		var out, errOut bytes.Buffer
 		if err := run(context.Background(), args, &out, &errOut); err != nil {
 			t.Errorf("%v: %v", args, err)

@@ -31,18 +31,22 @@ type serveCmd struct {
 	BillingCurrency string            `name:"billing-currency" env:"BILLING_CURRENCY" default:"EUR" help:"ISO 4217 currency billing charges in (the guide's events carry none)."`
 	GroupDatabases  map[string]string `name:"group-database" env:"ONCE_GROUP_DATABASES" mapsep:";" placeholder:"GROUP=URL;..." help:"A database of its own for a group (its claims and its tables), e.g. billing=postgres://...; groups not listed use --database-url."`
 
-	AnalyticsBatch int           `name:"analytics-batch" env:"ONCE_ANALYTICS_BATCH" default:"0" help:"Group commit for analytics on order.confirmed: up to this many events per transaction (pipeline.Batch); 0 commits each event on its own."`
-	Groups         []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
-	CommitMode     string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
-	CommitInt      time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
-	AttemptTimeout time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
-	KafkaWait      time.Duration `name:"kafka-start-timeout" env:"ONCE_KAFKA_START_TIMEOUT" default:"2m" help:"At start-up, how long to wait for brokers that cannot be reached or are still starting (a restart, offsets loading, a leader election) before giving up; 0 gives up at once. Refused credentials or permissions stop start-up at once."`
-	DrainTimeout   time.Duration `name:"drain-timeout" env:"ONCE_DRAIN_TIMEOUT" default:"30s" help:"On SIGTERM, how long messages in flight may take to finish (and their offsets to be committed) before the process leaves anyway; what did not finish is delivered again."`
-	HoldMax        time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
-	Migrate        bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
+	Concurrency     int           `name:"concurrency" env:"ONCE_CONCURRENCY" default:"6" help:"Key order for billing (confirmations, cancellations) and analytics on payment events: up to this many messages of each group at once, each order's events in their order (pipeline.OrderKey); every such group holds a connection per message, so their sum must fit --db-max-conns. 0: one message of a partition at a time."`
+	AnalyticsBatch  int           `name:"analytics-batch" env:"ONCE_ANALYTICS_BATCH" default:"0" help:"Group commit for analytics on order.confirmed: up to this many events per transaction (pipeline.Batch); 0 commits each event on its own."`
+	Groups          []string      `name:"groups" env:"ONCE_GROUPS" default:"billing,analytics" sep:"," help:"Consumer groups to run in this process: ${groups}."`
+	CommitMode      string        `name:"commit-mode" env:"ONCE_COMMIT_MODE" default:"interval" enum:"interval,sync" help:"interval: sarama commits acknowledged offsets every --commit-interval; sync: commit after every message."`
+	CommitInt       time.Duration `name:"commit-interval" env:"ONCE_COMMIT_INTERVAL" default:"1s" help:"Offset commit interval in interval mode."`
+	AttemptTimeout  time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
+	KafkaWait       time.Duration `name:"kafka-start-timeout" env:"ONCE_KAFKA_START_TIMEOUT" default:"2m" help:"At start-up, how long to wait for brokers that cannot be reached or are still starting (a restart, offsets loading, a leader election) before giving up; 0 gives up at once. Refused credentials or permissions stop start-up at once."`
+	DrainTimeout    time.Duration `name:"drain-timeout" env:"ONCE_DRAIN_TIMEOUT" default:"30s" help:"On SIGTERM, how long messages in flight may take to finish (and their offsets to be committed) before the process leaves anyway; what did not finish is delivered again."`
+	RevocationGrace time.Duration `name:"revocation-grace" env:"ONCE_REVOCATION_GRACE" default:"10s" help:"When this instance gives a partition up (a rebalance, a deploy, SIGTERM), how long the attempts under way may take to finish and commit before they are cancelled; cover one provider call. Below 60s (the group's rebalance timeout)."`
+	HoldMax         time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
+	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
 	GroupSuffix      string        `name:"group-suffix" env:"ONCE_GROUP_SUFFIX" help:"Appended to every consumer group id and dedup key group (to run isolated copies side by side, as the e2e tests do)."`
-	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum)."`
+	SessionTimeout   time.Duration `name:"session-timeout" env:"ONCE_SESSION_TIMEOUT" default:"10s" help:"Consumer-group session timeout: how long a crashed instance keeps its partitions (6s minimum). With --instance-id, make it cover a restart."`
+	HeartbeatInt     time.Duration `name:"heartbeat-interval" env:"ONCE_HEARTBEAT_INTERVAL" help:"How often each group's member tells the broker it is alive (default: a third of --session-timeout)."`
+	InstanceID       string        `name:"instance-id" env:"ONCE_INSTANCE_ID" help:"A name of this instance's own that survives its restarts (a StatefulSet pod's name, e.g. ONCE_INSTANCE_ID=$(POD_NAME)): a static member of its consumer groups, which takes its partitions back after a restart within --session-timeout without a rebalance. Remove it with app group remove-member after scaling in."`
 	KillAfterCommit  int           `name:"e2e-kill-after-commit" env:"ONCE_E2E_KILL_AFTER_COMMIT" hidden:"" help:"Test hook: SIGKILL this process right after the n-th database commit, before its offset is acknowledged."`
 	KillAfterForward int           `name:"e2e-kill-after-forward" env:"ONCE_E2E_KILL_AFTER_FORWARD" hidden:"" help:"Test hook: SIGKILL this process right after the n-th outbox event reached Kafka, before its row is acknowledged."`
 	OutboxRetention  time.Duration `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted (every 10 minutes)."`
@@ -52,6 +56,15 @@ type serveCmd struct {
 	MaxClockSkew        time.Duration     `name:"max-clock-skew" env:"ONCE_MAX_CLOCK_SKEW" default:"5m" help:"Events whose id lies further in the future are dead-lettered."`
 	TooOld              map[string]string `name:"too-old" env:"ONCE_TOO_OLD" default:"billing=reject;analytics=reject" mapsep:";" help:"Per group, what to do with an event older than the dedup horizon: reject (dead-letter) or process."`
 	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
+}
+
+// grace is --revocation-grace as once.Config takes it: 0 there is the
+// default, and none is negative.
+func grace(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 func (s *serveCmd) Validate() error {
@@ -66,11 +79,17 @@ func (s *serveCmd) Validate() error {
 	if s.CommitInt <= 0 {
 		return fmt.Errorf("--commit-interval (ONCE_COMMIT_INTERVAL) must be positive")
 	}
+	if s.Concurrency < 0 {
+		return fmt.Errorf("--concurrency (ONCE_CONCURRENCY) must not be negative")
+	}
 	if s.AnalyticsBatch < 0 {
 		return fmt.Errorf("--analytics-batch (ONCE_ANALYTICS_BATCH) must not be negative")
 	}
 	if s.KafkaWait < 0 {
 		return fmt.Errorf("--kafka-start-timeout (ONCE_KAFKA_START_TIMEOUT) must not be negative")
+	}
+	if s.RevocationGrace < 0 || s.RevocationGrace >= time.Minute {
+		return fmt.Errorf("--revocation-grace (ONCE_REVOCATION_GRACE) %s: want 0 or more, below the group's rebalance timeout (60s)", s.RevocationGrace)
 	}
 	if s.DrainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout (ONCE_DRAIN_TIMEOUT) must be positive")
@@ -198,7 +217,8 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 			MaxClockSkew: s.MaxClockSkew, OutboxRetention: s.OutboxRetention,
 			CommitMode: pipeline.CommitMode(s.CommitMode), CommitInterval: s.CommitInt, HoldMaxBackoff: s.HoldMax,
 			AttemptTimeout: s.AttemptTimeout, StatementTimeout: s.DB.StatementTimeout, TxStatementTimeout: s.DB.StatementTimeout,
-			SessionTimeout: s.SessionTimeout, DrainTimeout: s.DrainTimeout,
+			SessionTimeout: s.SessionTimeout, HeartbeatInterval: s.HeartbeatInt, InstanceID: s.InstanceID,
+			DrainTimeout: s.DrainTimeout, RevocationGrace: grace(s.RevocationGrace),
 			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, Logger: d.log,
 			Hooks: once.Hooks{
 				OnResult: func(r idempotency.Result) {
@@ -220,7 +240,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 		},
 		Groups: s.Groups, GroupSuffix: s.GroupSuffix,
 		ConfirmedTopic: s.Kafka.confirmed(), CancelledTopic: s.Kafka.cancelled(), PaymentTopic: s.Kafka.payments(),
-		Currency: s.BillingCurrency, Payments: client, AnalyticsBatch: s.AnalyticsBatch, TooOld: tooOld,
+		Currency: s.BillingCurrency, Payments: client, Concurrency: s.Concurrency, AnalyticsBatch: s.AnalyticsBatch, TooOld: tooOld,
 	}
 }
 

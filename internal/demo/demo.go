@@ -319,7 +319,7 @@ func (r *run) startService(ctx context.Context, group string) (stop func(), err 
 		},
 		Groups: []string{group}, GroupSuffix: r.suffix,
 		ConfirmedTopic: r.confirmed, CancelledTopic: r.cancelled, PaymentTopic: r.payments,
-		Currency: Currency, Payments: r.client, AnalyticsBatch: 100,
+		Currency: Currency, Payments: r.client, Concurrency: 6, AnalyticsBatch: 100,
 	})
 	if err != nil {
 		return nil, err

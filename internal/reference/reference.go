@@ -49,12 +49,28 @@ type Config struct {
 	Currency string
 	// Payments is billing's payment provider client.
 	Payments billing.Provider
+	// Concurrency runs the groups whose handlers wait or follow (billing
+	// on confirmations, whose handler calls the payment provider, and on
+	// cancellations; analytics on payment events) in key order, up to this
+	// many messages of each at once (once.OrderKey): each order's events
+	// in their order, different orders at once. 0: one message of a
+	// partition at a time.
+	Concurrency int
 	// AnalyticsBatch turns on analytics' group commit on the confirmations:
 	// up to this many events per transaction. 0: one per transaction.
 	AnalyticsBatch int
 	// TooOld is each group's policy for events past the dedup horizon, by
 	// base name. Default: reject.
 	TooOld map[string]once.TooOldPolicy
+}
+
+// keyOrdered is g in key order, up to n messages at once; g as it is for
+// n 0. Every event of the reference service is keyed by its order's id.
+func keyOrdered[E once.Event](g once.Group[E], n int) once.Group[E] {
+	if n > 0 {
+		g.Order, g.Concurrency = once.OrderKey, n
+	}
+	return g
 }
 
 // Group is a group's full name.
@@ -89,7 +105,7 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 			g.Handle, g.HandleBatch, g.Batch = nil, h.OnConfirmedBatch, once.Batch{Size: cfg.AnalyticsBatch}
 		}
 		confirmed.Groups = append(confirmed.Groups, g)
-		payments.Groups = append(payments.Groups, once.Group[orderevents.Payment]{Name: cfg.Group(Analytics), Handle: h.OnPayment, TooOld: cfg.TooOld[Analytics]})
+		payments.Groups = append(payments.Groups, keyOrdered(once.Group[orderevents.Payment]{Name: cfg.Group(Analytics), Handle: h.OnPayment, TooOld: cfg.TooOld[Analytics]}, cfg.Concurrency))
 	}
 	var billingDB *pgxpool.Pool
 	if slices.Contains(cfg.Groups, Billing) {
@@ -109,8 +125,8 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 			intents.Close()
 			return nil, err
 		}
-		confirmed.Groups = append(confirmed.Groups, once.Group[orderevents.Confirmed]{Name: cfg.Group(Billing), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Billing]})
-		cancelled.Groups = append(cancelled.Groups, once.Group[orderevents.Cancelled]{Name: cfg.Group(Billing), Handle: h.OnCancelled, TooOld: cfg.TooOld[Billing]})
+		confirmed.Groups = append(confirmed.Groups, keyOrdered(once.Group[orderevents.Confirmed]{Name: cfg.Group(Billing), Handle: h.OnConfirmed, TooOld: cfg.TooOld[Billing]}, cfg.Concurrency))
+		cancelled.Groups = append(cancelled.Groups, keyOrdered(once.Group[orderevents.Cancelled]{Name: cfg.Group(Billing), Handle: h.OnCancelled, TooOld: cfg.TooOld[Billing]}, cfg.Concurrency))
 		oc.Outgoing = append(oc.Outgoing, once.Outgoing[orderevents.Payment]{Name: cfg.PaymentTopic,
 			Key:    func(p orderevents.Payment) string { return strconv.FormatInt(p.OrderID(), 10) },
 			Encode: func(p orderevents.Payment) ([]byte, error) { return p.MarshalJSON() }})
