@@ -86,10 +86,12 @@ type Config struct {
 	// confirmation says how many that leaves out). Negative: no window.
 	// Default: [DefaultReplayWindow].
 	ReplayWindow time.Duration
-	// Token lets a person who signs in with it replay, forget, and see the
-	// letters' payloads and headers (through Redact). Give it from the
-	// environment or a file, never a flag (a flag is in ps). Default: none,
-	// and the console is read-only and shows no payload or header.
+	// Token lets a person who signs in with it replay, forget, and see
+	// what may be personal data (through Redact): the letters' reasons,
+	// payloads and headers, parked letters' last errors, held messages'
+	// keys and last errors. Give it from the environment or a file, never
+	// a flag (a flag is in ps). Default: none, and the console is
+	// read-only and shows none of that.
 	Token string
 	// Prefix is the path the console is served under. Default:
 	// [DefaultPrefix].
@@ -101,40 +103,62 @@ type Config struct {
 	Hosts []string
 	// Limit: at most this many letters are listed, the newest. Default 500.
 	Limit int
-	// Redact is what a signed-in person sees of a dead letter's payload
-	// and headers, wherever the console shows them (a letter's page, the
-	// letters parked in a database): it may mask, hash or drop what is
-	// personal data (a name, an address, a card's last digits) and must
-	// not keep or log what it is given. It is called by concurrent
-	// requests, once per letter shown. A panic in it hides that letter's
-	// payload and headers. A person who is not signed in sees neither,
-	// redacted or not: no payload and no header leaves a console without
-	// a token. Default: none, a signed-in person sees them as they are.
+	// Redact is what a signed-in person sees of what may be personal
+	// data, wherever the console shows it: a dead letter's reason,
+	// payload and headers (its page, the lists of letters and the
+	// replay's confirmation, which show the reason alone), a parked
+	// letter's last error, a held message's Kafka key and last error (the
+	// groups page). It may mask, hash or drop what is personal data (a
+	// name, an address, a card's last digits) and must not keep or log
+	// what it is given. What it returns is shown, and only that: a field
+	// it leaves empty shows nothing. It is called by concurrent requests,
+	// once per letter or held message shown. A panic in it hides all of
+	// that letter's or held message's. A person who is not signed in sees
+	// none of it, redacted or not: no text of a payload, a header (but the
+	// source topic and group the pipeline writes, see the package doc), a
+	// key or an error leaves a console without a token. The reason filter
+	// matches the reason as it is (it is a signed-in person's only).
+	// Default: none, a signed-in person sees them as they are.
 	Redact func(RedactParams) Redacted
 	// Now. Default: time.Now.
 	Now    func() time.Time
 	Logger *slog.Logger
 }
 
-// RedactParams is a dead letter as [Config.Redact] gets it. Fields may be
-// added.
+// RedactParams is what [Config.Redact] is given: a dead letter (on its
+// topic, or parked in a database), or a message held for retry. Fields may
+// be added.
 type RedactParams struct {
-	// Topic the letter's message was consumed from, and the Group that
-	// refused it: the shape of a payload is the topic's.
+	// Topic the message was consumed from, and the Group that refused or
+	// holds it: the shape of a payload is the topic's.
 	Topic, Group string
-	// DLQTopic holds the letter.
+	// DLQTopic holds the letter; "" for a held message.
 	DLQTopic string
-	// Payload and Headers as they are on the dead-letter topic (or parked
-	// in the database): copies, which Redact may change and return.
+	// Payload and Headers of a letter as they are on the dead-letter topic
+	// (or parked in the database), but the reason's header (it is Reason):
+	// copies, which Redact may change and return. A held message has
+	// neither here.
 	Payload []byte
 	Headers map[string]string
+	// Reason is why the letter was dead-lettered, or why a held message's
+	// last attempt failed: a decoder's or a handler's error, which may
+	// quote the payload.
+	Reason string
+	// Key is a held message's Kafka key, often a customer's or an order's
+	// id; "" for a letter.
+	Key string
+	// LastError is why a parked letter has not reached its topic yet.
+	LastError string
 }
 
-// Redacted is what the console shows of a dead letter's payload and
-// headers: see [Config.Redact].
+// Redacted is what the console shows of a [RedactParams]: see
+// [Config.Redact]. A field left empty shows nothing.
 type Redacted struct {
-	Payload []byte
-	Headers map[string]string
+	Payload   []byte
+	Headers   map[string]string
+	Reason    string
+	Key       string
+	LastError string
 }
 
 func (c *Config) setDefaults() {

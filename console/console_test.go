@@ -94,17 +94,20 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 	base := srv.URL + console.DefaultPrefix
 
+	// Not signed in, a reason may be personal data: the letters are
+	// grouped by source topic and group, and the page says why.
 	do(t, ctx, "the letters page", chromedp.Navigate(base+"/letters"))
-	reasons := text(t, ctx, "#reasons")
-	if !strings.Contains(reasons, "price must not be negative") || !strings.Contains(reasons, group) {
-		t.Fatalf("the reasons table: %q; want the poison's reason and group", reasons)
+	if sources := text(t, ctx, "#sources"); !strings.Contains(sources, topic) || !strings.Contains(sources, group) {
+		t.Fatalf("the sources table: %q; want the poison's topic and group", sources)
 	}
-	shot(t, ctx, "console-letters.png")
+	if hidden := text(t, ctx, "#reasons-hidden"); !strings.Contains(hidden, "until you sign in") {
+		t.Fatalf("the letters page before signing in: %q; want its reasons hidden", hidden)
+	}
 	do(t, ctx, "a letter's page", chromedp.Click("#letters a"))
-	// Not signed in, the payload may be personal data: the page says why
-	// it is not shown.
+	// Not signed in, the reason and the payload may be personal data: the
+	// page says why they are not shown.
 	if hidden := text(t, ctx, "#hidden"); !strings.Contains(hidden, "until you sign in") {
-		t.Fatalf("the letter's page before signing in: %q; want its payload hidden", hidden)
+		t.Fatalf("the letter's page before signing in: %q; want its reason and payload hidden", hidden)
 	}
 	letterURL, err := chromedp.Run(ctx, chromedp.Location())
 	if err != nil {
@@ -117,8 +120,16 @@ func TestConsoleInABrowser(t *testing.T) {
 	if payload := text(t, ctx, "#payload"); !strings.Contains(payload, poison.ID.String()) || !strings.Contains(payload, "\n  \"price\": -5") {
 		t.Fatalf("the letter's payload, signed in: %q; want it pretty-printed", payload)
 	}
+	if reason := text(t, ctx, "#reason"); reason != "price must not be negative" {
+		t.Fatalf("the letter's reason, signed in: %q", reason)
+	}
 	shot(t, ctx, "console-letter.png")
-	do(t, ctx, "the confirmation", chromedp.Click("#replay-one"), chromedp.WaitVisible("#confirm"))
+	do(t, ctx, "the letters page, signed in", chromedp.Navigate(base+"/letters"), chromedp.WaitVisible("#signed-in"))
+	if reasons := text(t, ctx, "#reasons"); !strings.Contains(reasons, "price must not be negative") || !strings.Contains(reasons, group) {
+		t.Fatalf("the reasons table: %q; want the poison's reason and group", reasons)
+	}
+	shot(t, ctx, "console-letters.png")
+	do(t, ctx, "the confirmation", chromedp.Navigate(letterURL), chromedp.WaitVisible("#replay-one"), chromedp.Click("#replay-one"), chromedp.WaitVisible("#confirm"))
 	if window := text(t, ctx, "#window"); !strings.Contains(window, "1 within the replay window") {
 		t.Fatalf("the confirmation says %q; want the letter within the window", window)
 	}

@@ -3,6 +3,7 @@ package console
 import (
 	"bytes"
 	"cmp"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -19,6 +20,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
 
 	"github.com/once-dev/once/dlq"
@@ -92,18 +94,20 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, msg s
 }
 
 // filterForm is the letters' filter as the page's form and links carry it.
+// ReasonSum is a reason group's link's (dlq.Filter.ReasonSum): no reason
+// is written in a URL.
 type filterForm struct {
-	Topic, Group, Reason, Older, Newer string
+	Topic, Group, Reason, ReasonSum, Older, Newer string
 }
 
 func filterOf(r *http.Request) filterForm {
 	v := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
-	return filterForm{Topic: v("topic"), Group: v("group"), Reason: v("reason"), Older: v("older"), Newer: v("newer")}
+	return filterForm{Topic: v("topic"), Group: v("group"), Reason: v("reason"), ReasonSum: v("reason_sum"), Older: v("older"), Newer: v("newer")}
 }
 
 func (f filterForm) Query() template.URL {
 	q := url.Values{}
-	for k, v := range map[string]string{"topic": f.Topic, "group": f.Group, "reason": f.Reason, "older": f.Older, "newer": f.Newer} {
+	for k, v := range map[string]string{"topic": f.Topic, "group": f.Group, "reason": f.Reason, "reason_sum": f.ReasonSum, "older": f.Older, "newer": f.Newer} {
 		if v != "" {
 			q.Set(k, v)
 		}
@@ -120,6 +124,9 @@ func (f filterForm) filter() (dlq.Filter, error) {
 	if err != nil {
 		errs = append(errs, fmt.Errorf("reason: %w", err))
 	}
+	if b, err := hex.DecodeString(f.ReasonSum); err != nil || (len(b) != 0 && len(b) != sha256.Size) {
+		errs = append(errs, fmt.Errorf("reason_sum %q: want the 64 hex digits a reason group's link carries", f.ReasonSum))
+	}
 	dur := func(name, s string) time.Duration {
 		if s == "" {
 			return 0
@@ -130,7 +137,7 @@ func (f filterForm) filter() (dlq.Filter, error) {
 		}
 		return d
 	}
-	out := dlq.Filter{Topic: f.Topic, Group: f.Group, Reason: re, MinAge: dur("older than", f.Older), MaxAge: dur("newer than", f.Newer)}
+	out := dlq.Filter{Topic: f.Topic, Group: f.Group, Reason: re, ReasonSum: strings.ToLower(f.ReasonSum), MinAge: dur("older than", f.Older), MaxAge: dur("newer than", f.Newer)}
 	if out.MaxAge > 0 && out.MinAge > out.MaxAge {
 		errs = append(errs, errors.New("older than must be below newer than"))
 	}
@@ -158,21 +165,67 @@ func (c *Console) route(dlqTopic string) (dlq.Route, bool) {
 	return dlq.Route{}, false
 }
 
-// letterView is a letter as the pages show it. Its Entry carries no
-// payload and no headers: what a page may show of them is Pretty and
-// Headers, which view fills only for a signed-in person, redacted.
+// What a person who has not signed in sees: only what the console's
+// configuration or Kafka names, never text of a payload, a key or an
+// error, nor of a header but the two names the pipeline writes there from
+// the service's configuration (the source topic and the group). Another
+// writer of a dead-letter topic could put anything in those two, so a
+// topic is shown when it is one of the routes', a group when it reads as a
+// consumer group's name, an event id when it is a UUID, a source partition
+// and offset when they are numbers; else nothing, to anyone.
+var groupName = regexp.MustCompile(`^[A-Za-z0-9._-]{1,249}$`)
+
+func (c *Console) shownTopic(topic string) string {
+	if slices.ContainsFunc(c.cfg.Routes, func(r dlq.Route) bool { return r.Topic == topic }) {
+		return topic
+	}
+	return ""
+}
+
+func shownGroup(group string) string {
+	if groupName.MatchString(group) {
+		return group
+	}
+	return ""
+}
+
+func shownID(id string) string {
+	if u, err := uuid.Parse(id); err == nil {
+		return u.String()
+	}
+	return ""
+}
+
+func shownNumber(n string) string {
+	if _, err := strconv.ParseInt(n, 10, 64); err == nil {
+		return n
+	}
+	return ""
+}
+
+// letterView is a letter as the pages show it: only what may be shown to
+// the person asking. The reason, payload, headers and last error are
+// filled only for a signed-in person, through Config.Redact.
 type letterView struct {
-	dlq.Entry
-	Age, LetterAge time.Duration
-	InWindow       bool
-	Link           template.URL
+	DLQTopic  string
+	Partition int32
+	Offset    int64
+	// EventID, Topic and Group as the package doc says they are shown:
+	// "" when they are not.
+	EventID, Topic, Group string
+	EventTime             time.Time
+	Age, LetterAge        time.Duration
+	InWindow              bool
+	Link                  template.URL
 	// Where the letter's message was consumed: its source partition and
 	// offset, from the library's own headers.
 	SourcePartition, SourceOffset string
-	// Shown: Pretty and Headers are the letter's, through Config.Redact.
-	// Else Hidden says why the page shows neither.
+	// Shown: Reason (and, where the page shows them, Pretty and Headers;
+	// for a parked letter, LastError) are the letter's, through
+	// Config.Redact. Else Hidden says why the page shows none of them.
 	Shown   bool
 	Hidden  string
+	Reason  string
 	Pretty  string // the payload, indented when it is JSON
 	Headers []header
 	// Parked only: where it waits and how its publishing goes.
@@ -185,19 +238,23 @@ type letterView struct {
 
 type header struct{ Key, Value string }
 
-// Why a page shows no payload and no headers.
+// Why a page shows no reason, payload, headers, key or error.
 const (
-	hiddenNoToken  = "Payload and headers are not shown: they often carry personal data, and this console has no token (ONCE_CONSOLE_TOKEN or ONCE_CONSOLE_TOKEN_FILE) for a person to sign in with."
-	hiddenSignIn   = "Payload and headers are not shown until you sign in with the console's token (top right): they often carry personal data."
-	hiddenRedactor = "Payload and headers are not shown: the console's redaction (console.Config.Redact) failed on this letter."
-	// Pages that list letters (and a replay's report, which whoever has
-	// its link sees) show no payload: the letter's own page does.
-	notShownHere = "Payload and headers are on the letter's own page."
+	hiddenNoToken  = "Not shown: a reason, a payload, headers, a key or an error may carry personal data, and this console has no token (ONCE_CONSOLE_TOKEN or ONCE_CONSOLE_TOKEN_FILE) for a person to sign in with."
+	hiddenSignIn   = "Not shown until you sign in with the console's token (top right): a reason, a payload, headers, a key or an error may carry personal data."
+	hiddenRedactor = "Not shown: the console's redaction (console.Config.Redact) failed on this one."
+	// A replay's report is kept, and shown to whoever has its link.
+	hiddenInReport = "Not shown in a replay's report."
 )
 
-// payloadsHidden is why r's person may not see payloads and headers, or ""
-// when they may.
-func (c *Console) payloadsHidden(r *http.Request) string {
+// errReasonFilter refuses a reason filter to a person who has not signed
+// in: the reason is not shown to them, and a pattern would read it a
+// letter at a time.
+var errReasonFilter = errors.New("a reason is shown, and filtered on, only to a signed-in person (it may carry personal data, and a pattern would read it a letter at a time)")
+
+// hiddenFrom is why r's person may not see what may be personal data, or
+// "" when they may (through Config.Redact).
+func (c *Console) hiddenFrom(r *http.Request) string {
 	switch {
 	case c.cfg.Token == "":
 		return hiddenNoToken
@@ -207,46 +264,55 @@ func (c *Console) payloadsHidden(r *http.Request) string {
 	return ""
 }
 
-// view is e as the pages show it; hidden is why its payload and headers
-// are not shown ("" to show them, through Config.Redact).
-func (c *Console) view(e dlq.Entry, now time.Time, hidden string) letterView {
-	v := letterView{Entry: e, Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt),
-		SourcePartition: e.Headers[pipeline.MetaKafkaPartition], SourceOffset: e.Headers[pipeline.MetaKafkaOffset]}
-	v.Entry.Payload, v.Entry.Headers = nil, nil
+// view is e as a page shows it to a person from whom hidden says what is
+// hidden ("" for nothing: its reason, and with payload its payload and
+// headers, and lastError for a parked letter, through Config.Redact).
+func (c *Console) view(e dlq.Entry, lastError string, now time.Time, hidden string, payload bool) letterView {
+	v := letterView{DLQTopic: e.DLQTopic, Partition: e.Partition, Offset: e.Offset, EventID: shownID(e.EventID),
+		Topic: c.shownTopic(e.Topic), Group: shownGroup(e.Group), EventTime: e.EventTime,
+		Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt),
+		SourcePartition: shownNumber(e.Headers[pipeline.MetaKafkaPartition]), SourceOffset: shownNumber(e.Headers[pipeline.MetaKafkaOffset])}
 	v.InWindow = c.cfg.ReplayWindow == 0 || v.Age <= c.cfg.ReplayWindow
 	v.Link = template.URL(url.Values{"topic": {e.DLQTopic}, "partition": {strconv.Itoa(int(e.Partition))}, "offset": {strconv.FormatInt(e.Offset, 10)}}.Encode())
-	if hidden == "" {
-		payload, headers, ok := c.redact(e)
-		if ok {
-			v.Shown, v.Pretty = true, pretty(payload)
-			for _, k := range slices.Sorted(maps.Keys(headers)) {
-				v.Headers = append(v.Headers, header{k, headers[k]})
-			}
-			return v
-		}
-		hidden = hiddenRedactor
+	if hidden != "" {
+		v.Hidden = hidden
+		return v
 	}
-	v.Hidden = hidden
+	headers := maps.Clone(e.Headers)
+	delete(headers, middleware.ReasonForPoisonedKey) // shown as the reason
+	out, ok := c.redact(RedactParams{Topic: e.Topic, Group: e.Group, DLQTopic: e.DLQTopic,
+		Payload: e.Payload, Headers: headers, Reason: e.Reason, LastError: lastError},
+		"dlq", e.DLQTopic, "partition", e.Partition, "offset", e.Offset, "topic", v.Topic)
+	if !ok {
+		v.Hidden = hiddenRedactor
+		return v
+	}
+	v.Shown, v.Reason, v.LastError = true, out.Reason, out.LastError
+	if payload {
+		v.Pretty = pretty(out.Payload)
+		for _, k := range slices.Sorted(maps.Keys(out.Headers)) {
+			v.Headers = append(v.Headers, header{k, out.Headers[k]})
+		}
+	}
 	return v
 }
 
-// redact is e's payload and headers as Config.Redact lets them be shown;
-// false when it panicked, and nothing of e may be shown.
-func (c *Console) redact(e dlq.Entry) (payload []byte, headers map[string]string, ok bool) {
+// redact is what Config.Redact lets a signed-in person see of p; false
+// when it panicked, and none of it may be shown. where names the letter
+// or held message in the log, without any of p.
+func (c *Console) redact(p RedactParams, where ...any) (out Redacted, ok bool) {
 	if c.cfg.Redact == nil {
-		return e.Payload, e.Headers, true
+		return Redacted{Payload: p.Payload, Headers: p.Headers, Reason: p.Reason, Key: p.Key, LastError: p.LastError}, true
 	}
 	defer func() {
-		if p := recover(); p != nil {
-			// The panic's value may quote the payload: only where.
-			c.cfg.Logger.Error("console: Config.Redact panicked; the letter's payload and headers are hidden",
-				"dlq", e.DLQTopic, "partition", e.Partition, "offset", e.Offset, "topic", e.Topic)
-			payload, headers, ok = nil, nil, false
+		if r := recover(); r != nil {
+			// The panic's value may quote what it was given: only where.
+			c.cfg.Logger.Error("console: Config.Redact panicked; what it was given is hidden", where...)
+			out, ok = Redacted{}, false
 		}
 	}()
-	out := c.cfg.Redact(RedactParams{Topic: e.Topic, Group: e.Group, DLQTopic: e.DLQTopic,
-		Payload: slices.Clone(e.Payload), Headers: maps.Clone(e.Headers)})
-	return out.Payload, out.Headers, true
+	p.Payload, p.Headers = slices.Clone(p.Payload), maps.Clone(p.Headers)
+	return c.cfg.Redact(p), true
 }
 
 // pretty is payload for a person: indented JSON, else the text, else its
@@ -262,20 +328,24 @@ func pretty(payload []byte) string {
 	return "(not UTF-8; hex) " + hex.EncodeToString(payload)
 }
 
-type reasonGroup struct {
-	Reason        string
-	Count         int
-	Topics        []string
-	Groups        []string
-	Oldest        time.Duration
-	Filter        template.URL
-	FirstLetterID string
+// letterGroup is a group of letters on the letters page: of one reason
+// for a signed-in person, else of one source topic and group.
+type letterGroup struct {
+	Reason       string // the first line, as Config.Redact lets it be shown
+	Topic, Group string // without sign-in
+	Count        int
+	Topics       []string
+	Groups       []string
+	Oldest       time.Duration
+	Filter       template.URL // "" when no filter selects the group alone
 }
 
 type lettersData struct {
 	Filter     filterForm
 	Topics     []string // the consumed topics, for the filter's choice
-	Reasons    []reasonGroup
+	ByReason   bool     // Groups are by reason; else by source
+	Hidden     string   // why reasons are not shown
+	Groups     []letterGroup
 	Letters    []letterView
 	Parked     []letterView
 	ReplayLink template.URL
@@ -284,7 +354,8 @@ type lettersData struct {
 func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 	ff := filterOf(r)
 	f, ferr := ff.filter()
-	data := lettersData{Filter: ff}
+	hidden := c.hiddenFrom(r)
+	data := lettersData{Filter: ff, ByReason: hidden == "", Hidden: hidden}
 	for _, rt := range c.cfg.Routes {
 		data.Topics = append(data.Topics, rt.Topic)
 	}
@@ -292,26 +363,47 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 		c.render(w, r, http.StatusBadRequest, "letters", "Dead letters", data, ferr)
 		return
 	}
+	if hidden != "" && (f.Reason != nil || f.ReasonSum != "") {
+		c.render(w, r, http.StatusForbidden, "letters", "Dead letters", data, errReasonFilter)
+		return
+	}
 	now := c.cfg.Now()
 	entries, kerr := dlq.List(r.Context(), dlq.ListConfig{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, DLQTopics: c.dlqTopics(), Filter: f, Limit: c.cfg.Limit, Now: c.cfg.Now})
 	if kerr != nil {
 		kerr = fmt.Errorf("the dead-letter topics on Kafka: %w", kerr)
 	}
-	byReason := map[string]*reasonGroup{}
+	groups := map[string]*letterGroup{}
 	for i := len(entries) - 1; i >= 0; i-- { // the newest first
-		v := c.view(entries[i], now, notShownHere)
+		e := entries[i]
+		v := c.view(e, "", now, hidden, false)
 		data.Letters = append(data.Letters, v)
-		reason := firstLine(v.Reason)
-		g := byReason[reason]
-		if g == nil {
-			g = &reasonGroup{Reason: shortened(reason)}
-			rf := ff
-			// The whole first line, not the shortened one shown (review
-			// finding: a long reason's links matched no letter).
-			rf.Reason = reasonPattern(reason)
-			g.Filter = rf.Query()
-			byReason[reason] = g
+		var key string
+		var g *letterGroup
+		if data.ByReason {
+			// Grouped, and linked, by the reason as it is, by its sum: the
+			// shown one may be redacted, and no reason goes into a URL.
+			key = dlq.SumReason(e.Reason)
+			if g = groups[key]; g == nil {
+				g = &letterGroup{Reason: shortened(firstLine(v.Reason))}
+				if !v.Shown {
+					g.Reason = v.Hidden
+				}
+				rf := ff
+				rf.Reason, rf.ReasonSum = "", key
+				g.Filter = rf.Query()
+			}
+		} else {
+			key = v.Topic + "\x00" + v.Group
+			if g = groups[key]; g == nil {
+				g = &letterGroup{Topic: v.Topic, Group: v.Group}
+				if v.Topic != "" && v.Group != "" {
+					rf := ff
+					rf.Topic, rf.Group = v.Topic, v.Group
+					g.Filter = rf.Query()
+				}
+			}
 		}
+		groups[key] = g
 		g.Count++
 		g.Oldest = max(g.Oldest, v.Age)
 		if !slices.Contains(g.Topics, v.Topic) {
@@ -321,12 +413,13 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 			g.Groups = append(g.Groups, v.Group)
 		}
 	}
-	for _, g := range byReason {
-		data.Reasons = append(data.Reasons, *g)
+	for _, g := range groups {
+		data.Groups = append(data.Groups, *g)
 	}
-	slices.SortFunc(data.Reasons, func(a, b reasonGroup) int { return cmp.Or(b.Count-a.Count, strings.Compare(a.Reason, b.Reason)) })
+	slices.SortFunc(data.Groups, func(a, b letterGroup) int {
+		return cmp.Or(b.Count-a.Count, strings.Compare(a.Reason, b.Reason), strings.Compare(a.Topic, b.Topic), strings.Compare(a.Group, b.Group))
+	})
 	var perrs []error
-	hidden := c.payloadsHidden(r)
 	for _, db := range c.cfg.Databases {
 		parked, err := c.store.ListMatching(r.Context(), db.DB, c.dlqTopics(), f, c.cfg.Limit, now)
 		if err != nil {
@@ -334,18 +427,13 @@ func (c *Console) letters(w http.ResponseWriter, r *http.Request) {
 			continue
 		}
 		for _, p := range parked {
-			v := c.view(p.Entry(), now, hidden)
-			v.Parked, v.ParkedID, v.Database, v.Attempts, v.LastError = true, p.ID, db.Name, p.Attempts, p.LastError
+			v := c.view(p.Entry(), p.LastError, now, hidden, true)
+			v.Parked, v.ParkedID, v.Database, v.Attempts = true, p.ID, db.Name, p.Attempts
 			data.Parked = append(data.Parked, v)
 		}
 	}
 	data.ReplayLink = ff.Query()
 	c.render(w, r, http.StatusOK, "letters", "Dead letters", data, append(perrs, kerr)...)
-}
-
-// reasonPattern selects the letters whose reason's first line is line.
-func reasonPattern(line string) string {
-	return `^\s*` + regexp.QuoteMeta(line) + `\s*(?:\n|$)`
 }
 
 // firstLine is the first line of a reason, which groups letters.
@@ -384,7 +472,7 @@ func (c *Console) letter(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusNotFound, err.Error())
 		return
 	}
-	v := c.view(e, c.cfg.Now(), c.payloadsHidden(r))
+	v := c.view(e, "", c.cfg.Now(), c.hiddenFrom(r), true)
 	c.render(w, r, http.StatusOK, "letter", "Dead letter "+e.DLQTopic+"/"+strconv.Itoa(int(e.Partition))+"@"+strconv.FormatInt(e.Offset, 10), v)
 }
 
@@ -471,7 +559,7 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 			c.fail(w, r, http.StatusNotFound, err.Error())
 			return
 		}
-		v := c.view(e, now, notShownHere)
+		v := c.view(e, "", now, c.hiddenFrom(r), false)
 		d := confirmData{One: &v}
 		if v.InWindow {
 			d.InWindow = 1
@@ -488,13 +576,18 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		c.render(w, r, http.StatusBadRequest, "error", "Bad filter", err.Error())
 		return
 	}
+	hidden := c.hiddenFrom(r)
+	if hidden != "" && (f.Reason != nil || f.ReasonSum != "") {
+		c.render(w, r, http.StatusForbidden, "error", "Forbidden", "Sign in to filter by reason: "+errReasonFilter.Error()+".")
+		return
+	}
 	// A dry run from the replay's own progress: the counts are what the
 	// replay will send, not every letter on the topics (letters an earlier
 	// replay with this filter sent are not sent again).
 	d := confirmData{Filter: ff}
 	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
 		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
-			d.Letters = append(d.Letters, c.view(e, now, notShownHere))
+			d.Letters = append(d.Letters, c.view(e, "", now, hidden, false))
 		}
 	}), c.cfg.Routes)
 	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
@@ -550,7 +643,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 		d.Report, e, err = dlq.ReplayLetter(r.Context(), dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama,
 			DLQTopic: rt.DLQTopic, Topic: rt.Topic, MaxAge: c.cfg.ReplayWindow, Now: c.cfg.Now}, pl.one.Partition, pl.offset)
 		if err == nil || e.DLQTopic != "" {
-			v := c.view(e, now, notShownHere)
+			v := c.view(e, "", now, hiddenInReport, false)
 			d.One = &v
 		}
 		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID,
@@ -564,7 +657,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 		d.Filter = pl.filter
 		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
 			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
-				d.Letters = append(d.Letters, c.view(e, now, notShownHere))
+				d.Letters = append(d.Letters, c.view(e, "", now, hiddenInReport, false))
 			}
 		}), c.cfg.Routes)
 		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed,
@@ -599,6 +692,7 @@ func (c *Console) replayed(w http.ResponseWriter, r *http.Request) {
 
 type groupsData struct {
 	Configured bool
+	Hidden     string // why held messages' keys and errors are not shown
 	Status     []groupRow
 	Holds      []holdRow
 	Lag        []lagRow
@@ -618,15 +712,18 @@ type groupRow struct {
 	WindowFull   int
 }
 
+// holdRow is a held message as the groups page shows it: its key and last
+// error only to a signed-in person (Shown), through Config.Redact.
 type holdRow struct {
 	Topic, Group string
 	Partition    int32
 	Offset       int64
-	Key          string
 	For          time.Duration
 	Attempts     int
+	Shown        bool
+	Hidden       string
+	Key          string
 	Err          string
-	HasErr       bool
 }
 
 type lagRow struct {
@@ -642,6 +739,7 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d.Configured = true
+	d.Hidden = c.hiddenFrom(r)
 	now := c.cfg.Now()
 	for _, s := range c.cfg.Groups.Status() {
 		parts := make([]string, 0, len(s.Partitions))
@@ -656,9 +754,18 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 			Order: order, KeyOrdered: s.Order == pipeline.OrderKey, HeldKeys: s.HeldKeys, Pinned: s.Pinned, WindowFull: s.WindowFull})
 	}
 	for _, h := range c.cfg.Groups.Holds() {
-		row := holdRow{Topic: h.Topic, Group: h.Group, Partition: h.Partition, Offset: h.Offset, Key: h.Key, For: now.Sub(h.Since), Attempts: h.Attempts}
-		if h.Err != nil {
-			row.Err, row.HasErr = h.Err.Error(), true
+		// Topic and group are the pipeline's own: its configuration's.
+		row := holdRow{Topic: h.Topic, Group: h.Group, Partition: h.Partition, Offset: h.Offset, For: now.Sub(h.Since), Attempts: h.Attempts, Hidden: d.Hidden}
+		if d.Hidden == "" {
+			p := RedactParams{Topic: h.Topic, Group: h.Group, Key: h.Key}
+			if h.Err != nil {
+				p.Reason = h.Err.Error()
+			}
+			if out, ok := c.redact(p, "topic", h.Topic, "consumer_group", h.Group, "partition", h.Partition, "offset", h.Offset); ok {
+				row.Shown, row.Key, row.Err = true, out.Key, out.Reason
+			} else {
+				row.Hidden = hiddenRedactor
+			}
 		}
 		d.Holds = append(d.Holds, row)
 	}

@@ -25,6 +25,10 @@ type Filter struct {
 	Group string
 	// Reason: a regular expression the reason must match.
 	Reason *regexp.Regexp
+	// ReasonSum: the reason's first line must have this [SumReason]. It
+	// selects the letters of one reason without writing the reason down
+	// (the console's links carry it, so no reason is in a URL).
+	ReasonSum string
 	// MinAge and MaxAge bound the event's age (the time in its UUIDv7
 	// event_id, else the record's timestamp); 0 leaves a side open.
 	MinAge, MaxAge time.Duration
@@ -32,7 +36,7 @@ type Filter struct {
 
 // IsZero reports whether f selects every letter.
 func (f Filter) IsZero() bool {
-	return f.Topic == "" && f.Group == "" && f.Reason == nil && f.MinAge == 0 && f.MaxAge == 0
+	return f.Topic == "" && f.Group == "" && f.Reason == nil && f.ReasonSum == "" && f.MinAge == 0 && f.MaxAge == 0
 }
 
 func (f Filter) key() string {
@@ -40,7 +44,20 @@ func (f Filter) key() string {
 	if f.Reason != nil {
 		reason = f.Reason.String()
 	}
-	return fmt.Sprintf("topic=%s group=%s reason=%s age=%s..%s", f.Topic, f.Group, reason, f.MinAge, f.MaxAge)
+	key := fmt.Sprintf("topic=%s group=%s reason=%s age=%s..%s", f.Topic, f.Group, reason, f.MinAge, f.MaxAge)
+	if f.ReasonSum != "" {
+		// Only then: a filter without it keeps the progress group it had.
+		key += " reason_sum=" + f.ReasonSum
+	}
+	return key
+}
+
+// SumReason is the hex SHA-256 of a reason's first line, spaces around it
+// trimmed: what [Filter.ReasonSum] selects.
+func SumReason(reason string) string {
+	line, _, _ := strings.Cut(strings.TrimSpace(reason), "\n")
+	sum := sha256.Sum256([]byte(strings.TrimSpace(line)))
+	return hex.EncodeToString(sum[:])
 }
 
 // progressGroup is the consumer group that keeps a replay's progress: one
@@ -75,7 +92,7 @@ type Entry struct {
 func (f Filter) Matches(e Entry, now time.Time) bool {
 	age := now.Sub(e.EventTime)
 	return (f.Topic == "" || e.Topic == f.Topic) && (f.Group == "" || e.Group == f.Group) &&
-		(f.Reason == nil || f.Reason.MatchString(e.Reason)) &&
+		(f.Reason == nil || f.Reason.MatchString(e.Reason)) && (f.ReasonSum == "" || SumReason(e.Reason) == f.ReasonSum) &&
 		(f.MinAge == 0 || age >= f.MinAge) && (f.MaxAge == 0 || age <= f.MaxAge)
 }
 

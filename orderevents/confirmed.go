@@ -50,7 +50,7 @@ func NewConfirmed(eventID uuid.UUID, occurredAt time.Time, orderID, customerID i
 		totalAmount: totalAmount,
 	}
 	if !totalAmount.Equal(totalAmount.Round(MaxFractionDigits)) {
-		return Confirmed{}, &FieldError{EventType: TypeConfirmedV1, Field: "total_amount", Want: "at most 2 fraction digits", Got: totalAmount.String()}
+		return Confirmed{}, &FieldError{EventType: TypeConfirmedV1, Field: "total_amount", Want: "at most 2 fraction digits", Got: "a decimal with more"}
 	}
 	if occurredAt.IsZero() {
 		return Confirmed{}, &FieldError{EventType: TypeConfirmedV1, Field: "occurred_at", Want: "a time", Got: "the zero time"}

@@ -76,22 +76,22 @@ func TestRejectionsNameTheFieldAndWhatWasExpected(t *testing.T) {
 		value string
 		want  string // in the error text
 	}{
-		{"uuid v4 id", "event_id", fmt.Sprintf("%q", uuid.New()), "field event_id: want a UUID version 7 string"},
+		{"uuid v4 id", "event_id", fmt.Sprintf("%q", uuid.New()), "field event_id: want a UUID version 7 string, got a UUID version 4"},
 		{"missing id", "event_id", "<absent>", "field event_id: want a UUID version 7 string, got nothing (the field is missing)"},
-		{"other version", "event_type", `"order.confirmed.v2"`, `field event_type: want the string "order.confirmed.v1", got a string "order.confirmed.v2"`},
-		{"order id as string", "order_id", `"17"`, `field order_id: want a JSON integer (64-bit), got a string "17"`},
+		{"other version", "event_type", `"order.confirmed.v2"`, `field event_type: want the string "order.confirmed.v1", got another string`},
+		{"order id as string", "order_id", `"17"`, `field order_id: want a JSON integer (64-bit), got a string`},
 		{"order id as UUID", "order_id", fmt.Sprintf("%q", uuid.New()), "field order_id: want a JSON integer (64-bit), got a string"},
-		{"order id fraction", "order_id", `17.5`, "field order_id: want a JSON integer (64-bit), got a number 17.5"},
-		{"order id overflow", "order_id", `9223372036854775808`, "field order_id: want a JSON integer (64-bit), got a number 9223372036854775808"},
+		{"order id fraction", "order_id", `17.5`, "field order_id: want a JSON integer (64-bit), got a number with a fraction or an exponent"},
+		{"order id overflow", "order_id", `9223372036854775808`, "field order_id: want a JSON integer (64-bit), got an integer beyond 64 bits"},
 		{"customer id null", "customer_id", `null`, "field customer_id: want a JSON integer (64-bit), got null"},
 		{"amount float text", "total_amount", `"1e400x"`, "field total_amount: want a positive decimal"},
-		{"negative amount", "total_amount", `"-1.00"`, "field total_amount: want a positive decimal"},
+		{"negative amount", "total_amount", `"-1.00"`, "got a string holding a number that is not positive"},
 		{"zero amount", "total_amount", `0`, "field total_amount: want a positive decimal"},
-		{"sub-cent amount", "total_amount", `"1.001"`, "at most 2 fraction digits"},
+		{"sub-cent amount", "total_amount", `"1.001"`, "got a string holding a number with more than 2 fraction digits"},
 		{"amount NaN", "total_amount", `"NaN"`, "field total_amount"},
-		{"amount beyond numeric(20,2)", "total_amount", `"1e18"`, "below 10^18"},
+		{"amount beyond numeric(20,2)", "total_amount", `"1e18"`, "got a string holding a number of 10^18 or more"},
 		{"amount huge exponent", "total_amount", `1e10000`, "below 10^18"},
-		{"amount bool", "total_amount", `true`, "got a boolean true"},
+		{"amount bool", "total_amount", `true`, "got a boolean"},
 		{"no offset", "occurred_at", `"2026-12-02T10:00:00"`, "field occurred_at: want an ISO 8601 date-time with an offset"},
 		{"bad time", "occurred_at", `"yesterday"`, "field occurred_at"},
 	} {
@@ -115,6 +115,48 @@ func TestRejectionsNameTheFieldAndWhatWasExpected(t *testing.T) {
 		_, err := orderevents.DecodeConfirmed([]byte(p))
 		if !errors.Is(err, orderevents.ErrInvalid) || !strings.Contains(err.Error(), "payload: want") {
 			t.Errorf("%s: got %v; want a payload-level FieldError", name, err)
+		}
+	}
+}
+
+// Review finding of issue 28: a rejection quoted up to 60 bytes of the
+// value (or of a payload that is not JSON), and the pipeline made it the
+// dead letter's reason, which the console showed to anyone: a customer's
+// e-mail in customer_id was on every page. A rejection names the field,
+// the JSON type that arrived and what was wanted, never the value.
+func TestRejectionsNeverQuoteTheValue(t *testing.T) {
+	const pii = "jane.doe@example.com"
+	payloads := map[string][]byte{"not JSON": []byte(pii), "a string": []byte(`"` + pii + `"`),
+		"an array": []byte(`["` + pii + `"]`), "truncated": []byte(`{"customer_id":"` + pii)}
+	for _, field := range []string{"event_id", "event_type", "occurred_at", "order_id", "customer_id", "total_amount"} {
+		for _, value := range []string{`"` + pii + `"`, `{"email":"` + pii + `"}`, `["` + pii + `"]`, `"` + pii + `0.5"`} {
+			payloads[field+" = "+value] = valid(map[string]string{field: value})
+		}
+	}
+	// Numbers that are values too: an amount, an id.
+	for field, value := range map[string]string{"order_id": "8765432109.25", "customer_id": "98765432109876543210",
+		"total_amount": "-8765432109.25", "event_id": "8765432109"} {
+		payloads[field+" = "+value] = valid(map[string]string{field: value})
+	}
+	payloads["total_amount = 8765432109.125"] = valid(map[string]string{"total_amount": `"8765432109.125"`})
+	for name, p := range payloads {
+		for decoder, decode := range map[string]func([]byte) error{
+			"DecodeConfirmed": func(b []byte) error { _, err := orderevents.DecodeConfirmed(b); return err },
+			"DecodePayment":   func(b []byte) error { _, err := orderevents.DecodePayment(b); return err },
+			"DecodeCancelled": func(b []byte) error { _, err := orderevents.DecodeCancelled(b); return err },
+		} {
+			err := decode(p)
+			if err == nil {
+				if decoder == "DecodeConfirmed" {
+					t.Errorf("%s: %s accepted %s", name, decoder, p)
+				}
+				continue
+			}
+			for _, quoted := range []string{"jane", "example", "8765432109", "98765432109876543210"} {
+				if strings.Contains(err.Error(), quoted) {
+					t.Errorf("%s: %s's error quotes the value (%q): %v", name, decoder, quoted, err)
+				}
+			}
 		}
 	}
 }

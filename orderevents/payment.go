@@ -90,7 +90,7 @@ func DecodePayment(payload []byte) (Payment, error) {
 		case TypePaymentChargedV1, TypePaymentFailedV1, TypePaymentRefundedV1:
 			f.eventType = kind
 		default:
-			f.fail("event_type", kinds, mustJSON(kind))
+			f.failAs("event_type", kinds, "another string")
 		}
 	}
 	p := Payment{kind: kind, eventID: f.uuidV7("event_id")}
@@ -99,7 +99,7 @@ func DecodePayment(payload []byte) (Payment, error) {
 	p.customerID = f.int64("customer_id")
 	p.amount = f.amount("amount")
 	if c, ok := f.str("currency", "an ISO 4217 code such as EUR"); ok && !currencyCode.MatchString(c) {
-		f.fail("currency", "an ISO 4217 code such as EUR", mustJSON(c))
+		f.failAs("currency", "an ISO 4217 code such as EUR", "a string that is not one")
 	} else {
 		p.currency = c
 	}

@@ -31,6 +31,12 @@ var ErrInvalid = errors.New("invalid event")
 
 // FieldError is a decoding error that names the event type, the field, what
 // was expected and what arrived. It wraps [ErrInvalid].
+//
+// It never quotes the payload: Got is the JSON type that arrived and what
+// is wrong with it ("a string", "a number with a fraction", "a UUID
+// version 4"), not the value. Its text becomes a dead letter's reason,
+// which operators read and tools keep, and a value in the wrong field is
+// as often personal data (an e-mail where an id belongs) as anywhere.
 type FieldError struct {
 	EventType string
 	Field     string // empty when the payload as a whole is wrong
@@ -75,9 +81,7 @@ func readFields(eventType string, payload []byte) *fields {
 		return f
 	}
 	if !json.Valid(trimmed) {
-		var probe map[string]json.RawMessage
-		err := json.Unmarshal(trimmed, &probe) // for its description of what is wrong
-		f.err = &FieldError{EventType: eventType, Want: "a JSON object", Got: fmt.Sprintf("malformed JSON (%v)", err)}
+		f.err = &FieldError{EventType: eventType, Want: "a JSON object", Got: malformed(trimmed)}
 		return f
 	}
 	f.members = topLevel(trimmed, make([]member, 0, 8))
@@ -170,9 +174,17 @@ func valueEnd(b []byte, i int) int {
 	return j
 }
 
+// fail records that field's value, raw, is not what was wanted, naming
+// its JSON type.
 func (f *fields) fail(field, want string, raw json.RawMessage) {
+	f.failAs(field, want, describe(raw))
+}
+
+// failAs records that field's value is not what was wanted: got says what
+// it is, never what it holds.
+func (f *fields) failAs(field, want, got string) {
 	if f.err == nil {
-		f.err = &FieldError{EventType: f.eventType, Field: field, Want: want, Got: describe(raw)}
+		f.err = &FieldError{EventType: f.eventType, Field: field, Want: want, Got: got}
 	}
 }
 
@@ -229,7 +241,7 @@ func (f *fields) checkType() {
 	}
 	want := fmt.Sprintf("the string %q", f.eventType)
 	if s, ok := f.str("event_type", want); ok && s != f.eventType {
-		f.fail("event_type", want, mustJSON(s))
+		f.failAs("event_type", want, "another string")
 	}
 }
 
@@ -241,11 +253,19 @@ func (f *fields) uuidV7(field string) uuid.UUID {
 		return uuid.Nil
 	}
 	id, err := uuid.Parse(s)
-	if err != nil || len(s) != 36 || id.Version() != 7 || id.Variant() != uuid.RFC4122 {
-		f.fail(field, want, mustJSON(s))
-		return uuid.Nil
+	switch {
+	case err != nil:
+		f.failAs(field, want, "a string that is not a UUID")
+	case len(s) != 36:
+		f.failAs(field, want, "a UUID not in its 36-character form")
+	case id.Variant() != uuid.RFC4122:
+		f.failAs(field, want, "a UUID of another variant than RFC 4122's")
+	case id.Version() != 7:
+		f.failAs(field, want, fmt.Sprintf("a UUID version %d", id.Version()))
+	default:
+		return id
 	}
-	return id
+	return uuid.Nil
 }
 
 // timestamp reads an ISO 8601 date-time with an offset, as pydantic writes a
@@ -259,7 +279,7 @@ func (f *fields) timestamp(field string) time.Time {
 	}
 	t, err := time.Parse(time.RFC3339Nano, s)
 	if err != nil {
-		f.fail(field, want, mustJSON(s))
+		f.failAs(field, want, "a string that is not one")
 		return time.Time{}
 	}
 	return t.UTC()
@@ -324,12 +344,16 @@ func (f *fields) int64(field string) int64 {
 		return 0
 	}
 	if !isJSONInteger(raw) {
-		f.fail(field, want, raw)
+		if isJSONNumber(string(raw)) {
+			f.failAs(field, want, "a number with a fraction or an exponent")
+		} else {
+			f.fail(field, want, raw)
+		}
 		return 0
 	}
 	n, err := strconv.ParseInt(string(raw), 10, 64)
 	if err != nil {
-		f.fail(field, want, raw)
+		f.failAs(field, want, "an integer beyond 64 bits")
 		return 0
 	}
 	return n
@@ -344,58 +368,70 @@ func (f *fields) amount(field string) decimal.Decimal {
 	if !ok {
 		return decimal.Decimal{}
 	}
-	text := string(raw)
+	text, kind := string(raw), "a number"
 	if raw[0] == '"' {
 		if text, ok = jsonString(raw); !ok {
 			f.fail(field, want, raw)
 			return decimal.Decimal{}
 		}
+		kind = "a string holding a number"
 	}
 	if !isJSONNumber(text) {
-		f.fail(field, want, raw)
+		if raw[0] == '"' {
+			f.failAs(field, want, "a string that is not a JSON number")
+		} else {
+			f.fail(field, want, raw)
+		}
 		return decimal.Decimal{}
 	}
 	d, err := decimal.NewFromString(text)
-	if err != nil || !d.IsPositive() || !d.Equal(d.Round(MaxFractionDigits)) || d.GreaterThan(MaxAmount) {
-		f.fail(field, want, raw)
-		return decimal.Decimal{}
+	switch {
+	case err != nil:
+		f.failAs(field, want, kind+" beyond what a decimal holds")
+	case !d.IsPositive():
+		f.failAs(field, want, kind+" that is not positive")
+	case !d.Equal(d.Round(MaxFractionDigits)):
+		f.failAs(field, want, fmt.Sprintf("%s with more than %d fraction digits", kind, MaxFractionDigits))
+	case d.GreaterThan(MaxAmount):
+		f.failAs(field, want, kind+" of 10^18 or more")
+	default:
+		return d
 	}
-	return d
+	return decimal.Decimal{}
 }
 
-// describe shows a raw JSON value in an error: its kind and, shortened, itself.
+// describe names a raw JSON value's type in an error, never the value
+// itself (see [FieldError]).
 func describe(raw []byte) string {
-	if len(raw) == 0 {
-		return "an empty payload"
-	}
-	kind := "a JSON value"
 	switch {
+	case len(raw) == 0:
+		return "an empty payload"
 	case raw[0] == '"':
-		kind = "a string"
+		return "a string"
 	case raw[0] == '{':
-		kind = "an object"
+		return "an object"
 	case raw[0] == '[':
-		kind = "an array"
+		return "an array"
 	case bytes.Equal(raw, []byte("null")):
 		return "null"
 	case bytes.Equal(raw, []byte("true")), bytes.Equal(raw, []byte("false")):
-		kind = "a boolean"
+		return "a boolean"
 	case raw[0] == '-' || (raw[0] >= '0' && raw[0] <= '9'):
-		kind = "a number"
-	default:
-		kind = "text that is not JSON"
+		return "a number"
 	}
-	const max = 60
-	shown := string(raw)
-	if len(shown) > max {
-		shown = shown[:max] + "..."
-	}
-	return fmt.Sprintf("%s %s", kind, shown)
+	return fmt.Sprintf("%d bytes of text that is not JSON", len(raw))
 }
 
-func mustJSON(s string) json.RawMessage {
-	b, _ := json.Marshal(s)
-	return b
+// malformed says where a payload that starts as an object stops being
+// JSON, by its offset: encoding/json's own message quotes the character
+// it met there.
+func malformed(payload []byte) string {
+	var probe any
+	var syntax *json.SyntaxError
+	if err := json.Unmarshal(payload, &probe); errors.As(err, &syntax) {
+		return fmt.Sprintf("malformed JSON (at byte %d of %d)", syntax.Offset, len(payload))
+	}
+	return "malformed JSON"
 }
 
 // nonEmpty reads a string that must not be empty.
@@ -403,7 +439,7 @@ func (f *fields) nonEmpty(field string) string {
 	const want = "a non-empty string"
 	s, ok := f.str(field, want)
 	if ok && s == "" {
-		f.fail(field, want, mustJSON(s))
+		f.failAs(field, want, "an empty string")
 	}
 	return s
 }

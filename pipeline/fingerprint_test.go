@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -159,41 +160,112 @@ func TestAReusedIDIsAMismatchWhenPartOfTheTypeIsHidden(t *testing.T) {
 	}
 }
 
-// refusing is a CanonicalEvent that cannot write even its zero value.
-type refusing struct{ ID uuid.UUID }
-
-func (r refusing) EventID() uuid.UUID             { return r.ID }
-func (r refusing) CanonicalJSON() ([]byte, error) { return nil, errors.New("no canonical form") }
-
-// unmarshalable is seen whole by encoding/json, but its MarshalJSON fails.
-type unmarshalable struct {
-	ID uuid.UUID `json:"event_id"`
+// checked is a team's event type whose MarshalJSON validates what it
+// writes, as a careful producer's does: no event without an id, no
+// negative amount.
+type checked struct {
+	ID     uuid.UUID `json:"event_id"`
+	Amount int64     `json:"amount"`
 }
 
-func (u unmarshalable) EventID() uuid.UUID           { return u.ID }
-func (u unmarshalable) MarshalJSON() ([]byte, error) { return nil, errors.New("cannot marshal") }
+func (c checked) EventID() uuid.UUID { return c.ID }
 
-// An event type whose fingerprint fails for its zero value would fail for
-// every event: the pipeline refuses it at start-up, naming the type.
-func TestAnEventTypeThatCannotBeFingerprintedIsRefused(t *testing.T) {
-	noop := func(context.Context, pgx.Tx, refusing) error { return nil }
-	noop2 := func(context.Context, pgx.Tx, unmarshalable) error { return nil }
-	_, err := pipeline.New(pipeline.Config{
-		Brokers: []string{"127.0.0.1:1"},
-		Topics: []pipeline.Binding{
-			pipeline.Topic[refusing]{Name: "r", Decode: func([]byte) (refusing, error) { return refusing{}, nil }, Groups: []pipeline.Group[refusing]{{Name: "g", Handle: noop}}},
-			pipeline.Topic[unmarshalable]{Name: "u", Decode: func([]byte) (unmarshalable, error) { return unmarshalable{}, nil }, Groups: []pipeline.Group[unmarshalable]{{Name: "g", Handle: noop2}}},
-		},
-	})
-	if err == nil {
-		t.Fatal("accepted")
+func (c checked) MarshalJSON() ([]byte, error) {
+	if err := validate(c.ID, c.Amount); err != nil {
+		return nil, err
 	}
-	for _, want := range []string{
-		"topic r: event type pipeline_test.refusing cannot be fingerprinted, not even its zero value: the canonical form of pipeline_test.refusing: no canonical form",
-		"topic u: event type pipeline_test.unmarshalable cannot be fingerprinted, not even its zero value",
-	} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("error does not mention %q:\n%v", want, err)
+	type plain checked
+	return json.Marshal(plain(c))
+}
+
+// checkedCanonical is the same as a CanonicalEvent.
+type checkedCanonical struct {
+	ID     uuid.UUID `json:"event_id"`
+	Amount int64     `json:"amount"`
+}
+
+func (c checkedCanonical) EventID() uuid.UUID { return c.ID }
+
+func (c checkedCanonical) CanonicalJSON() ([]byte, error) {
+	if err := validate(c.ID, c.Amount); err != nil {
+		return nil, err
+	}
+	return fmt.Appendf(nil, `{"amount":%d,"event_id":%q}`, c.Amount, c.ID), nil
+}
+
+func validate(id uuid.UUID, amount int64) error {
+	if id == uuid.Nil {
+		return errors.New("no event_id")
+	}
+	if amount < 0 {
+		return errors.New("a negative amount")
+	}
+	return nil
+}
+
+// Review finding of issue 28: the pipeline fingerprinted the zero value
+// of each event type at start-up and refused the type when that failed,
+// so a type whose MarshalJSON (or CanonicalJSON) refuses a zero id, which
+// worked before, stopped pipeline.New after an upgrade, though every real
+// event fingerprints. Such a type is accepted; its events are duplicates
+// and mismatches by their values, and one whose values it refuses is
+// dead-lettered with the reason.
+func TestAnEventTypeThatRefusesItsZeroValueIsAccepted(t *testing.T) {
+	t.Run("MarshalJSON", func(t *testing.T) { testRefusesZero[checked](t) })
+	t.Run("CanonicalJSON", func(t *testing.T) { testRefusesZero[checkedCanonical](t) })
+}
+
+func testRefusesZero[E pipeline.Event](t *testing.T) {
+	var zero E
+	if _, err := json.Marshal(zero); err == nil {
+		if c, ok := any(zero).(pipeline.CanonicalEvent); !ok {
+			t.Fatal("the zero value marshals: the type does not stage the finding")
+		} else if _, err := c.CanonicalJSON(); err == nil {
+			t.Fatal("the zero value has a canonical form: the type does not stage the finding")
 		}
+	}
+	e := newEnv(t, 1)
+	group := uniqueGroup("refuses-zero")
+	var runs atomic.Int64
+	var seen pipelinetest.Outcomes
+	var mu sync.Mutex
+	var reasons []string
+	cfg := e.config()
+	cfg.Hooks.OnResult = seen.Record
+	cfg.Hooks.OnDeadLetter = func(d pipeline.DeadLetter) {
+		mu.Lock()
+		defer mu.Unlock()
+		reasons = append(reasons, d.Reason)
+	}
+	cfg.Topics = []pipeline.Binding{pipeline.Topic[E]{Name: e.Topic, DLQ: e.DLQ,
+		Decode: func(b []byte) (ev E, err error) { return ev, json.Unmarshal(b, &ev) },
+		Groups: []pipeline.Group[E]{{Name: group, Handle: func(context.Context, pgx.Tx, E) error { runs.Add(1); return nil }}}}}
+	run(t, cfg)
+
+	id := uuid.Must(uuid.NewV7()).String()
+	for _, payload := range []string{
+		`{"event_id":"` + id + `","amount":10}`,
+		`{"amount":10, "event_id":"` + id + `"}`,                              // the same values: a duplicate
+		`{"event_id":"` + id + `","amount":99}`,                               // other values: a mismatch
+		`{"event_id":"` + uuid.Must(uuid.NewV7()).String() + `","amount":-1}`, // values its type refuses
+		`{"event_id":"` + uuid.Must(uuid.NewV7()).String() + `","amount":5}`,
+	} {
+		testenv.Publish(t, e.Prod, e.Topic, "k", []byte(payload))
+	}
+	testenv.Eventually(t, 60*time.Second, "five messages decided", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return seen.Get(group, idempotency.Processed)+seen.Get(group, idempotency.Duplicate) == 3 && len(reasons) == 2
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if seen.Get(group, idempotency.Processed) != 2 || seen.Get(group, idempotency.Duplicate) != 1 || seen.Get(group, idempotency.PayloadMismatch) != 1 || runs.Load() != 2 {
+		t.Fatalf("processed %d, duplicates %d, mismatches %d, runs %d; want 2, 1, 1 and 2", seen.Get(group, idempotency.Processed),
+			seen.Get(group, idempotency.Duplicate), seen.Get(group, idempotency.PayloadMismatch), runs.Load())
+	}
+	if !slices.ContainsFunc(reasons, func(r string) bool {
+		return strings.Contains(r, "cannot be fingerprinted") && strings.Contains(r, "a negative amount")
+	}) {
+		t.Fatalf("dead letters' reasons %q; want one saying the negative amount cannot be fingerprinted", reasons)
 	}
 }

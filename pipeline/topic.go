@@ -154,11 +154,12 @@ func (b *Batch) setDefaults() {
 //     second one's effect would be skipped. Here the number 12.5 and the
 //     string "12.50" are two values; write a CanonicalEvent to make them one.
 //
-// An E whose zero value cannot be fingerprinted is refused at start-up. An
-// event whose values cannot be (time.Time's MarshalJSON refuses a year
-// outside 0000-9999, which a valid time with an offset reaches in UTC) is
-// the message's fault: dead-lettered with the reason, as if it did not
-// decode.
+// An event whose values cannot be fingerprinted (time.Time's MarshalJSON
+// refuses a year outside 0000-9999, which a valid time with an offset
+// reaches in UTC; a MarshalJSON of E's refuses them) is the message's
+// fault: dead-lettered with the reason, as if it did not decode. Nothing
+// is fingerprinted at start-up: E's zero value is no event, and a
+// MarshalJSON or CanonicalJSON that refuses it (a zero id) is accepted.
 type Topic[E Event] struct {
 	// Name of the Kafka topic. Required.
 	Name string
@@ -331,14 +332,17 @@ type CanonicalEvent interface {
 //     them. A re-publication is then a duplicate when its JSON values are
 //     the same, not when its decoded values are: 12.5 and "12.50" differ.
 //
-// The error is the reason a type is refused at start-up: even its zero
-// value cannot be fingerprinted.
-func fingerprinterOf[E Event]() (func(ev E, payload []byte) ([32]byte, error), error) {
+// Whether an event's values can be written down is the event's to say, not
+// the type's: nothing is tried at start-up. A type's zero value is no
+// event (a MarshalJSON or CanonicalJSON that validates refuses its zero
+// id, and writes every real one), so failing on it proves nothing about
+// the events; an event whose fingerprint fails is dead-lettered with the
+// reason (see binding).
+func fingerprinterOf[E Event]() func(ev E, payload []byte) ([32]byte, error) {
 	t := reflect.TypeFor[E]()
-	var fingerprint func(ev E, payload []byte) ([32]byte, error)
 	switch {
 	case t.Implements(reflect.TypeFor[CanonicalEvent]()):
-		fingerprint = func(ev E, _ []byte) ([32]byte, error) {
+		return func(ev E, _ []byte) ([32]byte, error) {
 			b, err := any(ev).(CanonicalEvent).CanonicalJSON()
 			if err != nil {
 				return [32]byte{}, fmt.Errorf("the canonical form of %T: %w", ev, err)
@@ -346,7 +350,7 @@ func fingerprinterOf[E Event]() (func(ev E, payload []byte) ([32]byte, error), e
 			return sha256.Sum256(b), nil
 		}
 	case jsonVisible(t):
-		fingerprint = func(ev E, _ []byte) ([32]byte, error) {
+		return func(ev E, _ []byte) ([32]byte, error) {
 			b, err := json.Marshal(ev)
 			if err == nil {
 				b, err = idempotency.CanonicalJSON(b)
@@ -359,30 +363,8 @@ func fingerprinterOf[E Event]() (func(ev E, payload []byte) ([32]byte, error), e
 	default:
 		return func(_ E, payload []byte) ([32]byte, error) {
 			return idempotency.PayloadSHA256(&message.Message{Payload: payload})
-		}, nil
-	}
-	if t.Kind() == reflect.Interface {
-		return fingerprint, nil // no zero value to try: the events' own types decide
-	}
-	return fingerprint, fingerprintZero(t, fingerprint)
-}
-
-// fingerprintZero fingerprints the zero value of E (a pointer to one, for
-// a pointer type): a type that fails even then would fail for every event.
-func fingerprintZero[E Event](t reflect.Type, fingerprint func(ev E, payload []byte) ([32]byte, error)) (err error) {
-	var zero E
-	if t.Kind() == reflect.Pointer {
-		zero = reflect.New(t.Elem()).Interface().(E)
-	}
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("event type %s cannot be fingerprinted: its zero value panics: %v", t, r)
 		}
-	}()
-	if _, err := fingerprint(zero, nil); err != nil {
-		return fmt.Errorf("event type %s cannot be fingerprinted, not even its zero value: %w", t, err)
 	}
-	return nil
 }
 
 var (
@@ -521,10 +503,7 @@ func (t Topic[E]) binding() (topicBinding, error) {
 	if len(t.Groups) == 0 {
 		errs = append(errs, fmt.Errorf("pipeline: topic %s: no consumer groups", t.Name))
 	}
-	fingerprint, err := fingerprinterOf[E]()
-	if err != nil {
-		errs = append(errs, fmt.Errorf("pipeline: topic %s: %w", t.Name, err))
-	}
+	fingerprint := fingerprinterOf[E]()
 	decode := func(payload []byte) (decoded, error) {
 		ev, err := t.Decode(payload)
 		if err != nil {
@@ -532,10 +511,13 @@ func (t Topic[E]) binding() (topicBinding, error) {
 		}
 		d := decoded{id: ev.EventID(), value: ev}
 		if d.fingerprint, err = fingerprint(ev, payload); err != nil {
-			// The type fingerprints its zero value (checked at start-up),
-			// so it is this event's values that cannot be written down:
-			// the message's fault, dead-lettered with the reason. Held,
-			// it would stop its partition for ever.
+			// This event's values cannot be written down (a time that
+			// leaves the years 0000-9999 in UTC, values its MarshalJSON
+			// refuses): the message's fault, dead-lettered with the
+			// reason. Held, it would stop its partition for ever. A type
+			// that refuses every event (a bug of its MarshalJSON)
+			// dead-letters each, to be replayed once it is fixed; one that
+			// panics is held, as a decoder that panics is.
 			return decoded{}, fmt.Errorf("the event's values cannot be fingerprinted: %w", err)
 		}
 		return d, nil

@@ -56,9 +56,9 @@ func (c *consoleCmd) Run(ctx context.Context, d deps) error {
 		return fmt.Errorf("--listen (ONCE_CONSOLE_LISTEN): %w", err)
 	}
 	srv := &http.Server{Handler: con, ReadHeaderTimeout: 5 * time.Second}
-	mode := "read-only, no payloads or headers shown: no token (ONCE_CONSOLE_TOKEN or --console-token-file)"
+	mode := "read-only, no reason, payload, header, key or error shown: no token (ONCE_CONSOLE_TOKEN or --console-token-file)"
 	if cfg.Token != "" {
-		mode = "payloads, replay and forget after signing in with the token"
+		mode = "reasons, payloads, replay and forget after signing in with the token"
 	}
 	fmt.Fprintf(d.stderr, "console on http://%s%s (%s); Ctrl-C stops it\n", ln.Addr(), console.DefaultPrefix, mode)
 	go func() {

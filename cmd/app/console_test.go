@@ -17,7 +17,8 @@ import (
 )
 
 // app console serves the dead letters of the reference topics apart from
-// the consumers, on loopback only, to the host names it knows.
+// the consumers, on loopback only, to the host names it knows; without a
+// token it lists them by source, their reasons not shown.
 func TestConsoleCommandServesTheDeadLetters(t *testing.T) {
 	brokers := testenv.Brokers(t)
 	pool := reftest.Postgres(t)
@@ -48,10 +49,15 @@ func TestConsoleCommandServesTheDeadLetters(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- run(ctx, append(args, "--listen", addr), &logs, &logs) }()
+	var page string
 	testenv.Eventually(t, 30*time.Second, "the letter on the console's page", func() bool {
 		code, body := get("http://" + addr + "/console/letters")
-		return code == http.StatusOK && strings.Contains(body, reason)
+		page = body
+		return code == http.StatusOK && strings.Contains(body, dlqTopic+"/0@0")
 	})
+	if !strings.Contains(page, `<td><code>order.confirmed.v1`+suffix+`</code></td>`) || strings.Contains(page, reason) || !strings.Contains(page, "this console has no token") {
+		t.Fatalf("the letters page without a token: want the letter by its source topic, its reason not shown, and why\n%s", page)
+	}
 	req, _ := http.NewRequest(http.MethodGet, "http://"+addr+"/console/letters", nil)
 	req.Host = "console.evil.example"
 	resp, err := http.DefaultClient.Do(req)

@@ -24,14 +24,14 @@ import (
 type opsSettings struct {
 	OpsListen     string          `name:"ops-listen" env:"ONCE_OPS_LISTEN" default:"127.0.0.1:9464" help:"Address of /metrics (Prometheus), /healthz and /readyz; empty for none."`
 	WatchInterval time.Duration   `name:"watch-interval" env:"ONCE_WATCH_INTERVAL" default:"10s" help:"How often consumer lag, held messages and the claim table are read for /metrics."`
-	Console       bool            `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only, showing no payload or header, unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token to sign in with."`
+	Console       bool            `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only, showing no reason, payload, header, key or error, unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token to sign in with."`
 	ConsoleOf     consoleSettings `embed:""`
 }
 
 // consoleSettings are the console's, in app serve --console and app
 // console alike.
 type consoleSettings struct {
-	TokenFile    string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it see payloads and headers, replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
+	TokenFile    string        `name:"console-token-file" env:"ONCE_CONSOLE_TOKEN_FILE" type:"existingfile" help:"File holding the console's token, which lets whoever signs in with it see reasons, payloads, headers, keys and errors, replay and forget (or ONCE_CONSOLE_TOKEN; never a flag of its own)."`
 	ReplayWindow time.Duration `name:"console-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"The console replays no letter whose event is older than this, as app dlq replay --max-age; 0 replays all."`
 	Hosts        []string      `name:"console-host" env:"ONCE_CONSOLE_HOSTS" help:"A host name the console answers to besides localhost and IP addresses (such as the name a port-forward is reached by); repeat or comma-separate. Others are refused, against DNS rebinding."`
 }

@@ -62,10 +62,14 @@ func payloadSHA256(payload []byte, decimals []string) [32]byte {
 //   - strings that are RFC 3339 times (2006-01-02T15:04:05, an optional
 //     fraction of any length, then Z or an offset such as +02:00) as the
 //     same instant in UTC with every fraction digit kept and trailing zeros
-//     trimmed: Z, +00:00 and +02:00 name one instant three ways. An instant
-//     whose UTC year is not between 0000 and 9999 is written with the
-//     smallest offset that brings it back into those years, so that it is
-//     still a time and no other string can be written the same;
+//     trimmed: Z, +00:00 and +02:00 name one instant three ways. A time is
+//     what time.Parse(time.RFC3339Nano) reads as one, as in the releases
+//     before this scanner (whose claims hold that form): a one-digit hour,
+//     a comma before the fraction and offsets up to +24:60 too, but no
+//     string shorter than 2006-01-02T15:04:05Z. An instant whose UTC year
+//     is not between 0000 and 9999 is written with the smallest offset that
+//     brings it back into those years, so that it is still a time and no
+//     other string can be written the same;
 //   - strings written as encoding/json writes them, except that a lone
 //     surrogate escape (\ud800 without its pair) is kept as its escape:
 //     it is another value than U+FFFD and than any other surrogate.

@@ -38,9 +38,14 @@ func FuzzCanonicalJSON(f *testing.F) {
 		{`{"a":1,"a":2}`, `{"a":2}`},
 		{`"0000-01-01T00:30:00+01:00"`, `"-0001-12-31T23:30:00Z"`},
 		{`"9999-12-31T23:30:00-01:00"`, `"10000-01-01T00:30:00Z"`},
+		{`"0000-01-01T00:00:00+24:60"`, `"0000-01-01T00:00:00+25:00"`},
+		{`"9999-12-31T23:59:59-24:60"`, `"9999-12-31T23:59:59-25:00"`},
 		// Equal values in other forms.
 		{`{"a":1,"b":[12.50,true,null]}`, `{ "b" : [1.25e1, true, null], "a" : 1.0 }`},
 		{`"2026-12-02T15:08:21.123456Z"`, `"2026-12-02T17:08:21.123456000+02:00"`},
+		// Forms time.Parse takes, which the release before canonicalised.
+		{`"2026-12-02T05:08:21,5Z"`, `"2026-12-03T5:08:21.5+24:00"`},
+		{`"2026-12-02T05:08:21.5Z"`, `"2026-12-03T5:08:21,50+23:60"`},
 		{`"caf\u00e9 \ud83d\ude00 <&>"`, `"café 😀 \u003c\u0026\u003e"`},
 		{`{"event_id":"0192f3a4-5b6c-7d8e-9f01-23456789abcd","event_type":"order.confirmed.v1","occurred_at":"2026-12-02T15:08:21.123456Z","order_id":1234567,"customer_id":89,"total_amount":"129.90"}`,
 			`{"total_amount":"129.90","customer_id":89,"order_id":1234567,"occurred_at":"2026-12-02T16:08:21.123456+01:00","event_type":"order.confirmed.v1","event_id":"0192f3a4-5b6c-7d8e-9f01-23456789abcd"}`},
@@ -356,30 +361,28 @@ func (d *oracle) str() ([]rune, error) {
 
 var hexRE = regexp.MustCompile(`^[0-9a-fA-F]{4}$`)
 
-var timeRE = regexp.MustCompile(`^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2})(\.([0-9]+))?(Z|[+-]([0-9]{2}):[0-9]{2})$`)
+// oracleFraction is the fraction's digits of a time time.Parse took: the
+// digits after its only '.' or ','.
+var oracleFraction = regexp.MustCompile(`[.,]([0-9]+)`)
 
-// oracleTime: time.Parse says what an RFC 3339 time is and which instant;
-// the fraction is kept apart, all of it.
+// oracleTime: time.Parse(time.RFC3339Nano) says what a time is and which
+// instant (what the release before CanonicalJSON's scanner canonicalised:
+// a one-digit hour, a comma before the fraction and offsets up to +24:60
+// among them), except a string shorter than 2006-01-02T15:04:05Z, which
+// that release kept as a string; the fraction is kept apart, all of it.
 func oracleTime(runes []rune) (jvalue, bool) {
-	for _, r := range runes {
-		if r >= utf8.RuneSelf {
-			return jvalue{}, false
-		}
-	}
-	m := timeRE.FindStringSubmatch(string(runes))
-	if m == nil {
+	s := string(runes)
+	if len(runes) < len("2006-01-02T15:04:05Z") {
 		return jvalue{}, false
 	}
-	if m[5] != "" {
-		if h, _ := strconv.Atoi(m[5]); h > 23 {
-			return jvalue{}, false
-		}
-	}
-	at, err := time.Parse(time.RFC3339, m[1]+m[4])
+	at, err := time.Parse(time.RFC3339Nano, s)
 	if err != nil {
 		return jvalue{}, false
 	}
-	frac := m[3]
+	frac := ""
+	if m := oracleFraction.FindStringSubmatch(s); m != nil {
+		frac = m[1]
+	}
 	for len(frac) > 0 && frac[len(frac)-1] == '0' {
 		frac = frac[:len(frac)-1]
 	}

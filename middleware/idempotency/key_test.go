@@ -61,3 +61,23 @@ func TestPayloadEventIDPointsAtDeriveEventID(t *testing.T) {
 		}
 	}
 }
+
+// Review finding of issue 28: the default key's error quoted an event_id
+// that is no UUID (and encoding/json's message a character of a payload
+// that is not JSON); the error is the dead letter's reason, and the
+// console and the logs show it. It names what is wrong, not the text.
+func TestPayloadEventIDNeverQuotesThePayload(t *testing.T) {
+	const pii = "jane.doe@example.com"
+	for _, payload := range []string{pii, `{"event_id":"` + pii + `"}`, `{"event_id":"urn:` + pii + `"}`, `["` + pii + `"]`,
+		`"` + pii + `"`, `{"event_id":["` + pii + `"]}`, `{"event_id":` + "1e400" + `}`, `{"event_id":"` + pii} {
+		_, err := idempotency.PayloadEventID(message.NewMessage("m", []byte(payload)))
+		if !errors.Is(err, idempotency.ErrInvalidKey) {
+			t.Fatalf("%s: %v; want an ErrInvalidKey", payload, err)
+		}
+		for _, quoted := range []string{"jane", "example", "'j'", "1e400"} {
+			if strings.Contains(err.Error(), quoted) {
+				t.Errorf("%s: the error quotes the payload (%s): %v", payload, quoted, err)
+			}
+		}
+	}
+}
