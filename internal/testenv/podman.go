@@ -3,6 +3,7 @@ package testenv
 import (
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 )
 
@@ -25,7 +26,7 @@ func Podman(t testing.TB) {
 		return
 	}
 	if os.Getenv("ONCE_REQUIRE_SERVICES") != "" {
-		t.Fatalf("%v not installed, but ONCE_REQUIRE_SERVICES is set: the image test needs them (dev/image.sh install; dev/test.sh and .ci/run install them)", missing)
+		t.Fatalf("%s not installed, but ONCE_REQUIRE_SERVICES is set: the image test needs them (dev/image.sh install; dev/test.sh and .ci/run install them)", strings.Join(missing, " and "))
 	}
-	t.Skipf("%v not installed: dev/image.sh install (apt-get install -y --no-install-recommends podman runc) to build and run the app's image", missing)
+	t.Skipf("%s not installed: dev/image.sh install (apt-get install -y --no-install-recommends podman runc) to build and run the app's image", strings.Join(missing, " and "))
 }
