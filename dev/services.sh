@@ -69,6 +69,13 @@ browser() {
 	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >&2
 }
 
+# image_tools: the image test (cmd/app's TestTheImageRuns) builds and runs
+# the app's image with podman and runc (Debian's packages, which
+# dev/image.sh installs where they are missing).
+image_tools() {
+	"$ONCE_ROOT/dev/image.sh" install
+}
+
 # seedpeer_python makes the style guide's Python venv (pydantic, aiokafka,
 # from PyPI, once) and exports ONCE_SEEDPEER_DIR and ONCE_SEEDPEER_PYTHON for
 # the cross-language tests and the benchmark's peer: dev/seedpeer's scripts

@@ -9,6 +9,7 @@ trap stop_services EXIT
 start_services
 seedpeer_python
 browser
+image_tools
 # Integration tests skip without these; under this script they must not.
 export ONCE_REQUIRE_SERVICES=1
 unformatted=$(gofmt -l .)
