@@ -60,7 +60,9 @@ func TestFromTheGuidesConsumer(t *testing.T) {
 		{"plain", ""}, // consume.py makes the guide's plain table itself
 		{"partitioned by processed_at", guidesPartitionedDDL},
 	} {
-		t.Run(v.name, func(t *testing.T) { fromTheGuidesConsumer(t, "18 from the guide's consumer ("+v.name+")", v.ddl) })
+		t.Run(v.name, func(t *testing.T) {
+			fromTheGuidesConsumer(t, "18 from the guide's consumer ("+v.name+", "+partitionOrder.name+")", v.ddl)
+		})
 	}
 }
 
@@ -115,7 +117,7 @@ func fromTheGuidesConsumer(t *testing.T, name, ddl string) {
 	serve := func(name string) *proc {
 		return s.startEnv(name, env, "serve", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--groups", analyticsGroup,
 			"--partitions", strconv.Itoa(int(s.parts)), "--session-timeout", "6s", "--maintenance-interval", "0",
-			"--ops-listen", "127.0.0.1:0", "--log-level", "debug", "--log-format", "json")
+			"--ops-listen", "127.0.0.1:0", "--log-level", "debug", "--log-format", "json", "--concurrency", "0")
 	}
 	once := serve("once")
 
@@ -546,7 +548,7 @@ func TestTheGuidesConsumerBesideOnce(t *testing.T) {
 	if dead := testenv.MessageCount(t, s.brokers, s.dlq); dead+int64(parked) != 0 {
 		t.Errorf("%d messages dead-lettered, %d parked; want none", dead, parked)
 	}
-	r := result{Scenario: "19 the guide's consumer beside once", Events: len(events), Deliveries: onceProcessed + onceDuplicates,
+	r := result{Scenario: "19 the guide's consumer beside once (" + partitionOrder.name + ")", Events: len(events), Deliveries: onceProcessed + onceDuplicates,
 		Duplicates: onceDuplicates, Lost: 2*len(events) - claims - stayingClaims}
 	t.Cleanup(func() { r.Pass = !t.Failed(); record(r) })
 }

@@ -51,18 +51,22 @@ func TestGuidesPythonProducer(t *testing.T) {
 // 15. The same, with the consumers behind PgBouncer in transaction pooling
 // (dev/pgbouncer.sh; the URL names default_query_exec_mode=exec), 25% of the
 // events re-published: every statement of both groups goes through a server
-// connection that is theirs for one transaction only.
+// connection that is theirs for one transaction only. In each mode (in key
+// order, each message in flight holds a server connection of its own), the
+// order of billing's provider calls checked.
 func TestGuidesProducerBehindPgBouncer(t *testing.T) {
-	eachAnalyticsMode(t, "15 behind PgBouncer", func(t *testing.T, name string, batched bool) {
-		behindPgBouncer(t, name, batched).guidesProducer(scale(300), scale(100), "0.25", nil)
+	eachMode(t, allModes, func(t *testing.T, m mode) {
+		s := behindPgBouncer(t, "15 behind PgBouncer", m)
+		s.logCalls()
+		s.guidesProducer(scale(300), scale(100), "0.25", nil)
 	})
 }
 
 // 16. Behind PgBouncer, and PgBouncer killed with -9 while both groups work,
 // then started again: every client and server connection is cut at once.
 func TestPgBouncerKilled(t *testing.T) {
-	eachAnalyticsMode(t, "16 PgBouncer kill -9", func(t *testing.T, name string, batched bool) {
-		s := behindPgBouncer(t, name, batched)
+	eachMode(t, perEventAndBatched, func(t *testing.T, m mode) {
+		s := behindPgBouncer(t, "16 PgBouncer kill -9", m)
 		// A provider that takes 100ms: billing's transactions are open when
 		// the pooler dies.
 		s.providerFlags = []string{"--fault-latency", "100ms"}
@@ -82,9 +86,9 @@ func TestPgBouncerKilled(t *testing.T) {
 
 // behindPgBouncer is a scenario whose consumers reach the database through
 // dev/pgbouncer.sh.
-func behindPgBouncer(t *testing.T, name string, batched bool) *scenario {
+func behindPgBouncer(t *testing.T, name string, m mode) *scenario {
 	s := newScenario(t, name, 6)
-	s.batched = batched
+	s.mode = m
 	s.requireDevService("pgbouncer")
 	s.consumerDB = os.Getenv("ONCE_PGBOUNCER_URL")
 	return s

@@ -44,12 +44,12 @@ func (s *scenario) publishInBackground(n int, d time.Duration) <-chan struct{} {
 // or switchover): every write fails with SQLSTATE 25006. Events are held, not
 // one is dead-lettered, and all are processed once the database takes writes.
 func TestReadOnlyDatabase(t *testing.T) {
-	eachAnalyticsMode(t, "7 postgres read-only", testReadOnlyDatabase)
+	eachMode(t, perEventAndBatched, testReadOnlyDatabase)
 }
 
-func testReadOnlyDatabase(t *testing.T, name string, batched bool) {
-	s := newScenario(t, name, 6)
-	s.batched = batched
+func testReadOnlyDatabase(t *testing.T, m mode) {
+	s := newScenario(t, "7 postgres read-only", 6)
+	s.mode = m
 	s.requireDevService("postgres")
 	s.startProvider()
 	a, b := s.consumer("consumer-a"), s.consumer("consumer-b")
@@ -86,12 +86,12 @@ func testReadOnlyDatabase(t *testing.T, name string, batched bool) {
 // newcomer processes its share at once; the stuck one catches up when the
 // network does.
 func TestDatabaseBlackHole(t *testing.T) {
-	eachAnalyticsMode(t, "8 database black hole", testDatabaseBlackHole)
+	eachMode(t, perEventAndBatched, testDatabaseBlackHole)
 }
 
-func testDatabaseBlackHole(t *testing.T, name string, batched bool) {
-	s := newScenario(t, name, 6)
-	s.batched = batched
+func testDatabaseBlackHole(t *testing.T, m mode) {
+	s := newScenario(t, "8 database black hole", 6)
+	s.mode = m
 	_, proxy := testenv.ProxiedPostgres(t, s.pool)
 	s.startProvider()
 	a := s.consumerEnv("consumer-a", []string{"DATABASE_URL=" + proxy.URL(os.Getenv("DATABASE_URL"))},
@@ -280,11 +280,15 @@ func TestBrokerCrash(t *testing.T) {
 // tuned it for speed would: a commit then returns before its WAL is written,
 // and only the consumers' own raise of the setting keeps what they
 // acknowledged.
-func TestDatabaseCrash(t *testing.T) { eachAnalyticsMode(t, "13 postgres kill -9", testDatabaseCrash) }
+//
+// In each mode, the confirmations keyed by customer and the order of
+// billing's provider calls checked.
+func TestDatabaseCrash(t *testing.T) { eachMode(t, allModes, testDatabaseCrash) }
 
-func testDatabaseCrash(t *testing.T, name string, batched bool) {
-	s := newScenario(t, name, 6)
-	s.batched = batched
+func testDatabaseCrash(t *testing.T, m mode) {
+	s := newScenario(t, "13 postgres kill -9", 6)
+	s.mode, s.keyByCustomer = m, true
+	s.logCalls()
 	s.requireDevService("postgres")
 	s.sql("ALTER SYSTEM SET synchronous_commit = off", "SELECT pg_reload_conf()")
 	t.Cleanup(func() { s.sql("ALTER SYSTEM RESET synchronous_commit", "SELECT pg_reload_conf()") })

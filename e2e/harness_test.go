@@ -79,20 +79,60 @@ type scenario struct {
 	exactlyOnceDLQ bool
 	// env is added to every process's environment.
 	env []string
-	// batched: analytics commits its confirmations in batches (the group
-	// commit) in every consumer of the scenario.
-	batched bool
+	// mode is how every consumer of the scenario orders and commits its
+	// work; the row's name says which.
+	mode mode
+	// keyByCustomer keys the confirmations by their customer, not their
+	// order: each key then has many events, whose order the call log can
+	// check.
+	keyByCustomer bool
+	// keylessEvery publishes every n-th valid confirmation without a key.
+	keylessEvery int
+	// calls, if set, stands between the consumers and the provider and
+	// logs every charge and refund (see callLog); verify then checks the
+	// order of the calls.
+	calls *callLog
 	// consumerDB, if set, is the consumers' DATABASE_URL (a pooler in front
 	// of the test database); the checks read the database directly.
 	consumerDB string
 }
 
-// eachAnalyticsMode runs a scenario twice: analytics one event per
-// transaction, and analytics batched (the group commit). The row's name says
-// which.
-func eachAnalyticsMode(t *testing.T, name string, run func(t *testing.T, name string, batched bool)) {
-	t.Run("per-event", func(t *testing.T) { run(t, name, false) })
-	t.Run("batched", func(t *testing.T) { run(t, name+" (batched)", true) })
+// mode is how a scenario's consumers (app serve) order and commit their work.
+type mode struct {
+	name  string   // in the row's name
+	flags []string // app serve's
+}
+
+var (
+	// partitionOrder: one message of a partition at a time in every group,
+	// analytics one event per transaction (serve's behaviour before it
+	// defaulted to key order).
+	partitionOrder = mode{"partition order", []string{"--concurrency", "0"}}
+	// keyOrder: billing (confirmations, cancellations) and analytics on
+	// payment events in key order, up to six messages of each group at
+	// once, each key's in its order (serve's default).
+	keyOrder = mode{"key order", []string{"--concurrency", fmt.Sprint(keyConcurrency)}}
+	// batched: analytics commits its confirmations in batches of 50 (the
+	// group commit); the other groups in partition order, as the batched
+	// rows ran before key order.
+	batched = mode{"batched", []string{"--concurrency", "0", "--analytics-batch", "50"}}
+
+	// allModes are the modes of the rows that run in each.
+	allModes = []mode{partitionOrder, keyOrder, batched}
+	// perEventAndBatched are the modes of the rows that run twice.
+	perEventAndBatched = []mode{partitionOrder, batched}
+)
+
+// keyConcurrency is keyOrder's --concurrency; serve's window is four times it.
+const keyConcurrency = 6
+
+func (m mode) String() string { return m.name }
+
+// eachMode runs a scenario once in each mode, as a subtest named after it.
+func eachMode(t *testing.T, modes []mode, run func(t *testing.T, m mode)) {
+	for _, m := range modes {
+		t.Run(strings.ReplaceAll(m.name, " ", "-"), func(t *testing.T) { run(t, m) })
+	}
 }
 
 func newScenario(t *testing.T, name string, partitions int32) *scenario {
@@ -117,6 +157,7 @@ func newScenarioOn(t *testing.T, name string, partitions int32, brokers []string
 		parts:    partitions,
 		account:  "acct_e2e_" + uuid.NewString()[:8],
 		dir:      t.TempDir(),
+		mode:     partitionOrder,
 	}
 	if keep := os.Getenv("ONCE_E2E_LOGS"); keep != "" {
 		// Logs survive the test there, for a person to read after a failure.
@@ -161,6 +202,9 @@ func newScenarioOn(t *testing.T, name string, partitions int32, brokers []string
 	})
 	return s
 }
+
+// row is the scenario's name in the results table: its name and its mode.
+func (s *scenario) row() string { return fmt.Sprintf("%s (%s)", s.name, s.mode) }
 
 func (s *scenario) group(name string) string { return name + s.suffix }
 
@@ -286,12 +330,10 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 		env = append([]string{"DATABASE_URL=" + s.consumerDB}, env...) // the caller's own wins
 	}
 	args := []string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
-		"--groups", "billing,analytics", "--payment-url", s.providerURL,
+		"--groups", "billing,analytics", "--payment-url", s.paymentURL(),
 		"--session-timeout", "6s", "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
 		"--log-level", "debug", "--log-format", "json"}
-	if s.batched {
-		args = append(args, "--analytics-batch", "50")
-	}
+	args = append(args, s.mode.flags...)
 	return s.startEnv(name, env, append(args, extra...)...)
 }
 
@@ -310,6 +352,7 @@ func (s *scenario) send(key string, payload []byte) {
 	s.sendTo(s.topic, key, payload)
 }
 
+// sendTo publishes payload under key; "" publishes it without a key.
 func (s *scenario) sendTo(topic, key string, payload []byte) {
 	s.t.Helper()
 	// Right after a broker restart, or a topic's creation, its partitions
@@ -317,7 +360,11 @@ func (s *scenario) sendTo(topic, key string, payload []byte) {
 	// scenario's producer (not the system under test) keeps trying.
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		_, _, err := s.producer.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(payload)})
+		msg := &sarama.ProducerMessage{Topic: topic, Value: sarama.ByteEncoder(payload)}
+		if key != "" {
+			msg.Key = sarama.StringEncoder(key)
+		}
+		_, _, err := s.producer.SendMessage(msg)
 		if err == nil {
 			return
 		}
@@ -446,15 +493,29 @@ func (s *scenario) publish(n int, pause time.Duration) []orderevents.Confirmed {
 	return out
 }
 
-// sendEvent remembers ev in list (for the checks) and publishes it, keyed by
-// its order id.
+// sendEvent remembers ev in list (for the checks) and publishes it under
+// its key.
 func (s *scenario) sendEvent(ev orderevents.Confirmed, list *[]orderevents.Confirmed) {
 	s.t.Helper()
 	s.mu.Lock()
 	*list = append(*list, ev)
+	keyless := list == &s.events && s.keylessEvery > 0 && len(*list)%s.keylessEvery == 0
 	s.mu.Unlock()
 	b, _ := ev.MarshalJSON()
-	s.send(strconv.FormatInt(ev.OrderID(), 10), b)
+	key := s.keyOf(ev)
+	if keyless {
+		key = ""
+	}
+	s.send(key, b)
+}
+
+// keyOf is a confirmation's Kafka key: its order's id, as the order service
+// keys it, or its customer's with keyByCustomer.
+func (s *scenario) keyOf(ev orderevents.Confirmed) string {
+	if s.keyByCustomer {
+		return "customer-" + strconv.FormatInt(ev.CustomerID(), 10)
+	}
+	return strconv.FormatInt(ev.OrderID(), 10)
 }
 
 // publishDeclined sends n events the provider declines: billing records them
@@ -476,7 +537,7 @@ func (s *scenario) republish(events []orderevents.Confirmed, otherKey bool) {
 	s.t.Helper()
 	for _, ev := range events {
 		b, _ := ev.MarshalJSON()
-		key := strconv.FormatInt(ev.OrderID(), 10)
+		key := s.keyOf(ev)
 		if otherKey {
 			key = "elsewhere-" + key
 		}
@@ -609,7 +670,7 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	t.Helper()
 	s.waitDrained(drainTimeout)
 	ctx := context.Background()
-	r := result{Scenario: s.name, Events: len(s.events) + len(s.declined) + len(s.cancelled), Kills: s.kills, Restarts: s.restarts, Rebal: s.rebal}
+	r := result{Scenario: s.row(), Events: len(s.events) + len(s.declined) + len(s.cancelled), Kills: s.kills, Restarts: s.restarts, Rebal: s.rebal}
 	o := s.readOutcomes()
 	for _, g := range []string{s.group(billingGroup), s.group(analyticsGroup)} {
 		r.Deliveries += o.total(g)
@@ -790,6 +851,9 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 		t.Errorf("%d cancelled, charged orders were never refunded", missingRefunds)
 	}
 	s.verifyPoison()
+	if s.calls != nil {
+		s.verifyOrder()
+	}
 	// Recorded when the test ends, so checks made after verify count too.
 	t.Cleanup(func() {
 		r.Pass = !t.Failed()

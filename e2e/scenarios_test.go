@@ -94,17 +94,21 @@ func TestDuplicatesFromEverySource(t *testing.T) {
 
 // 2. kill -9 of consumers at random moments during a stream, once exactly
 // between the database commit and the offset commit, and once between the
-// outbox's publish to Kafka and its acknowledgement.
-func TestKillNine(t *testing.T) { eachAnalyticsMode(t, "2 kill -9", testKillNine) }
+// outbox's publish to Kafka and its acknowledgement. In each mode; the
+// confirmations keyed by customer, every 50th without a key, and the order
+// of billing's provider calls checked (a key's never at once, in its
+// order; a keyless message's alone in its partition).
+func TestKillNine(t *testing.T) { eachMode(t, allModes, testKillNine) }
 
 const (
 	commitKill  = "e2e: killing this process between the database commit and the offset commit"
 	forwardKill = "e2e: killing this process between the outbox publish and its acknowledgement"
 )
 
-func testKillNine(t *testing.T, name string, batched bool) {
-	s := newScenario(t, name, 6)
-	s.batched = batched
+func testKillNine(t *testing.T, m mode) {
+	s := newScenario(t, "2 kill -9", 6)
+	s.mode, s.keyByCustomer, s.keylessEvery = m, true, 50
+	s.logCalls()
 	s.startProvider()
 	// The forward kill fires in the first process to reach its n-th forward.
 	// watermill-sql's forwarders take turns by polling a locked offsets row,
@@ -236,8 +240,13 @@ func field(jsonLine, name string) string {
 // flows; the instances that leave get SIGTERM and must exit cleanly. The
 // scenario proves the rebalances happened: each newcomer owned partitions of
 // the topic before it left, and the first instance owned them all again after.
-func TestRebalances(t *testing.T) {
+// In each mode, keyed and checked as row 2.
+func TestRebalances(t *testing.T) { eachMode(t, allModes, testRebalances) }
+
+func testRebalances(t *testing.T, m mode) {
 	s := newScenario(t, "3 rebalances 1-3-1", 6)
+	s.mode, s.keyByCustomer, s.keylessEvery = m, true, 50
+	s.logCalls()
 	s.startProvider()
 	a := s.consumer("consumer-a")
 	done := make(chan struct{})

@@ -36,7 +36,10 @@ func TestChaosSoak(t *testing.T) {
 	s.startProvider()
 	_, proxy := testenv.ProxiedPostgres(t, s.pool)
 	pooled := os.Getenv("ONCE_PGBOUNCER_URL")
-	batched := []string{"--analytics-batch", "50"}
+	// Every consumer in partition order, two of them with analytics batched
+	// (the rows' batched mode), as the soak ran before key order.
+	s.mode = mode{"partition order, two consumers batched", partitionOrder.flags}
+	batch := []string{"--analytics-batch", "50"}
 	type consumer struct {
 		name  string
 		env   []string
@@ -45,8 +48,8 @@ func TestChaosSoak(t *testing.T) {
 	}
 	consumers := []*consumer{
 		{name: "direct-per-event"},
-		{name: "direct-batched", extra: batched},
-		{name: "pgbouncer-batched", env: []string{"DATABASE_URL=" + pooled}, extra: batched},
+		{name: "direct-batched", extra: batch},
+		{name: "pgbouncer-batched", env: []string{"DATABASE_URL=" + pooled}, extra: batch},
 		{name: "proxied-per-event", env: []string{"DATABASE_URL=" + proxy.URL(os.Getenv("DATABASE_URL"))},
 			extra: []string{"--db-statement-timeout", "15s", "--attempt-timeout", "30s"}},
 	}
