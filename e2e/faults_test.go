@@ -456,12 +456,7 @@ func (s *scenario) analyticsClaimsOf(events []orderevents.Confirmed) int {
 func (s *scenario) logLines(text string) []string {
 	var out []string
 	for _, p := range s.procs {
-		b, _ := os.ReadFile(p.log)
-		for _, l := range strings.Split(string(b), "\n") {
-			if strings.Contains(l, text) {
-				out = append(out, l)
-			}
-		}
+		out = append(out, logLinesOf(p, text)...)
 	}
 	return out
 }

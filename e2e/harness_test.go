@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -95,6 +96,12 @@ type scenario struct {
 	// consumerDB, if set, is the consumers' DATABASE_URL (a pooler in front
 	// of the test database); the checks read the database directly.
 	consumerDB string
+	// sessionTimeout is the consumers' --session-timeout; default 6s, the
+	// broker's minimum, so that a crashed member's partitions move soon.
+	sessionTimeout string
+	// gaps, if set, is what the row measured of its partitions' pauses
+	// (see deploys_test.go): its figures go in the results.
+	gaps *deployFigures
 }
 
 // mode is how a scenario's consumers (app serve) order and commit their work.
@@ -331,7 +338,7 @@ func (s *scenario) consumerEnv(name string, env []string, extra ...string) *proc
 	}
 	args := []string{"serve", "--no-migrate", "--topic-suffix", s.suffix, "--group-suffix", s.suffix, "--partitions", fmt.Sprint(s.parts),
 		"--groups", "billing,analytics", "--payment-url", s.paymentURL(),
-		"--session-timeout", "6s", "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
+		"--session-timeout", cmp.Or(s.sessionTimeout, "6s"), "--maintenance-interval", "0", "--ops-listen", "127.0.0.1:0",
 		"--log-level", "debug", "--log-format", "json"}
 	args = append(args, s.mode.flags...)
 	return s.startEnv(name, env, append(args, extra...)...)
@@ -853,6 +860,9 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	s.verifyPoison()
 	if s.calls != nil {
 		s.verifyOrder()
+	}
+	if s.gaps != nil {
+		r.Gaps = s.gaps
 	}
 	// Recorded when the test ends, so checks made after verify count too.
 	t.Cleanup(func() {
