@@ -51,6 +51,9 @@ func (s benchWaitSettings) validate(only []string) error {
 	if s.HandlerLatency == 0 {
 		return errors.Join(errs...)
 	}
+	if len(only) > 0 && !slices.ContainsFunc(only, func(v string) bool { return strings.HasPrefix(v, "W") }) {
+		errs = append(errs, fmt.Errorf("--handler-latency measures W, WB and WH, and --only %s lists none of them", strings.Join(only, ",")))
+	}
 	if s.WaitPool < 2 {
 		errs = append(errs, fmt.Errorf("--wait-pool must be at least 2, got %d", s.WaitPool))
 	}
