@@ -146,18 +146,22 @@ func TestBenchMeasuresAHandlerThatWaits(t *testing.T) {
 	if err != nil {
 		t.Fatalf("app bench: %v\n%s", err, out)
 	}
-	header := "variant  partitions      order  N  events  events/s  ceiling  of ceiling  x partition ceiling  p50 ms  p99 ms  CPU us/event"
+	header := "variant  partitions      order  N  events  events/s  ceiling  of ceiling  x partition ceiling  p50 ms  p99 ms  attempt ms  in handler ms  call ms  CPU us/event"
 	if !strings.Contains(out, header) {
 		t.Fatalf("no waiting table with its columns %q:\n%s", header, out)
 	}
 	rows := 0
 	for _, l := range strings.Split(out, "\n") {
 		f := strings.Fields(l)
-		if len(f) != 12 || (f[0] != "W" && f[0] != "WB") || (f[2] != "partition" && f[2] != "key") {
+		if len(f) != 15 || (f[0] != "W" && f[0] != "WB") || (f[2] != "partition" && f[2] != "key") {
 			continue
 		}
 		rows++
-		for _, i := range []int{4, 5, 6, 7, 9, 10, 11} { // events, events/s, ceiling, of ceiling, p50, p99, CPU
+		cols := []int{4, 5, 6, 7, 9, 10, 11, 12, 14} // events, events/s, ceiling, of ceiling, p50, p99, attempt, in handler, CPU
+		if f[0] == "WB" {
+			cols = append(cols, 13) // the provider's call
+		}
+		for _, i := range cols {
 			if v, err := strconv.ParseFloat(f[i], 64); err != nil || v <= 0 {
 				t.Errorf("row %q: column %d is %q, want a positive number", l, i, f[i])
 			}

@@ -54,6 +54,9 @@ type benchRunCmd struct {
 	Wait         waitFlags  `embed:""`
 
 	hold *holdFigures // WH's, once measured
+	// W, WB, WH: the mean time in the handler, and in a provider's call
+	// (WB), once measured.
+	inHandler, inCall float64
 }
 
 // benchFigures is what a measurement reports.
@@ -73,6 +76,10 @@ type benchFigures struct {
 	Skipped    string `json:"skipped,omitempty"`
 	// Hold is WH's account of the held key and the others.
 	Hold *holdFigures `json:"hold,omitempty"`
+	// W, WB, WH: the mean time in the handler, and in one call to the
+	// payment provider (WB): what of an attempt is the wait itself.
+	HandlerMs float64 `json:"handler_ms,omitempty"`
+	CallMs    float64 `json:"call_ms,omitempty"`
 }
 
 func (f benchFigures) rate() float64 {
@@ -210,6 +217,7 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
 	f.Hold = b.hold
+	f.HandlerMs, f.CallMs = b.inHandler, b.inCall
 	if b.ClearAfter {
 		// Every measurement leaves the tables as it found them: the next
 		// one then inserts its rows as this one did, instead of updating

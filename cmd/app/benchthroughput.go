@@ -291,7 +291,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		fmt.Fprintln(w, "\nlatency: from a message's delivery to the group (P, PB: Hooks.OnDelivered), entering the handler (B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
 	}
 	if waited != nil {
-		fmt.Fprintln(w, "\nwaiting handler: latency from a message's delivery to its group (Hooks.OnDelivered; a message waiting for its key or a slot included) to its commit; CPU: the consumer's user + system time over its events.")
+		fmt.Fprintln(w, "\nwaiting handler: latency from a message's delivery to its group (Hooks.OnDelivered; a message waiting for its key or a slot included) to its commit; attempt: the slots the order allows (min(N, pool), or the partitions) over events/s, how long each event held one; in handler, call: the mean time inside the handler, and of one call to the payment simulator (WB); CPU: the consumer's user + system time over its events.")
 	}
 	for _, f := range main {
 		if f.Skipped != "" && f.Variant != "Peer" {

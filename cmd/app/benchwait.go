@@ -324,7 +324,7 @@ func (r *waitReport) print(w io.Writer) {
 			}
 		}
 		t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(t, "variant\tpartitions\torder\tN\tevents\tevents/s\tceiling\tof ceiling\tx partition ceiling\tp50 ms\tp99 ms\tCPU us/event\t")
+		fmt.Fprintln(t, "variant\tpartitions\torder\tN\tevents\tevents/s\tceiling\tof ceiling\tx partition ceiling\tp50 ms\tp99 ms\tattempt ms\tin handler ms\tcall ms\tCPU us/event\t")
 		for _, row := range r.rows {
 			order, n := "partition", "-"
 			if row.key {
@@ -332,11 +332,18 @@ func (r *waitReport) print(w io.Writer) {
 			}
 			ceiling := row.ceiling(r.latency, r.pool)
 			if row.f.Skipped != "" {
-				fmt.Fprintf(t, "%s\t%d\t%s\t%s\t-\t-\t%.0f\t-\t-\t-\t-\t-\tskipped (%s)\n", row.variant, row.partitions, order, n, ceiling, row.f.Skipped)
+				fmt.Fprintf(t, "%s\t%d\t%s\t%s\t-\t-\t%.0f\t-\t-\t-\t-\t-\t-\t-\t-\tskipped (%s)\n", row.variant, row.partitions, order, n, ceiling, row.f.Skipped)
 				continue
 			}
-			fmt.Fprintf(t, "%s\t%d\t%s\t%s\t%d\t%.0f\t%.0f\t%.2f\t%.1fx\t%.1f\t%.1f\t%.0f\t\n", row.variant, row.partitions, order, n, row.f.Events, row.f.rate(),
-				ceiling, row.f.rate()/ceiling, row.f.rate()/row.partitionCeiling(r.latency), row.f.P50ms, row.f.P99ms, row.f.CPUus)
+			call := "-"
+			if row.f.CallMs > 0 {
+				call = fmt.Sprintf("%.1f", row.f.CallMs)
+			}
+			// The slots the run's order allows, over events/s: how long
+			// each event held one, claim and commit included.
+			attempt := ceiling * r.latency.Seconds() / row.f.rate() * 1000
+			fmt.Fprintf(t, "%s\t%d\t%s\t%s\t%d\t%.0f\t%.0f\t%.2f\t%.1fx\t%.1f\t%.1f\t%.1f\t%.1f\t%s\t%.0f\t\n", row.variant, row.partitions, order, n, row.f.Events, row.f.rate(),
+				ceiling, row.f.rate()/ceiling, row.f.rate()/row.partitionCeiling(r.latency), row.f.P50ms, row.f.P99ms, attempt, row.f.HandlerMs, call, row.f.CPUus)
 		}
 		t.Flush()
 	}

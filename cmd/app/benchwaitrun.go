@@ -54,6 +54,9 @@ func (b *benchRunCmd) waiting(ctx context.Context, pool *pgxpool.Pool, c *clock,
 	}
 	var cfg pipeline.Config
 	var hold *holdRun
+	// Where an attempt's time goes: in the handler, and in the provider's
+	// calls (WB); the rest is the claim and the commit.
+	var inHandler, calls durations
 	switch b.Variant {
 	case "W":
 		g.Handle = waitThen(w.Latency, analytics.Handler{}.OnConfirmed)
@@ -80,7 +83,8 @@ func (b *benchRunCmd) waiting(ctx context.Context, pool *pgxpool.Pool, c *clock,
 			return err
 		}
 		defer intents.Close()
-		client, err := payment.NewClient(payment.ClientConfig{BaseURL: w.PaymentURL, APIKey: benchAccount(b.Group)})
+		client, err := payment.NewClient(payment.ClientConfig{BaseURL: w.PaymentURL, APIKey: benchAccount(b.Group),
+			OnAttempt: func(a payment.Attempt) { calls.add(a.Duration) }})
 		if err != nil {
 			return fmt.Errorf("--payment-url: %w", err)
 		}
@@ -93,10 +97,17 @@ func (b *benchRunCmd) waiting(ctx context.Context, pool *pgxpool.Pool, c *clock,
 			Key:    func(p orderevents.Payment) string { return strconv.FormatInt(p.OrderID(), 10) },
 			Encode: func(p orderevents.Payment) ([]byte, error) { return p.MarshalJSON() }}}
 	}
+	handle := g.Handle
+	g.Handle = func(ctx context.Context, tx pgx.Tx, ev orderevents.Confirmed) error {
+		start := time.Now()
+		defer func() { inHandler.add(time.Since(start)) }()
+		return handle(ctx, tx, ev)
+	}
 	cfg.Topics = []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: b.Topic, Decode: orderevents.DecodeConfirmed, Groups: []pipeline.Group[orderevents.Confirmed]{g}}}
 	if err := b.runPipeline(ctx, pool, c, log, cfg); err != nil {
 		return err
 	}
+	b.inHandler, b.inCall = inHandler.mean(), calls.mean()
 	if hold != nil {
 		f := hold.figures()
 		b.hold = &f
@@ -251,4 +262,31 @@ func (h *holdRun) figures() holdFigures {
 		f.InOrder = f.InOrder && h.order[i] != h.order[i-1]
 	}
 	return f
+}
+
+// durations are what a measurement times besides its events.
+type durations struct {
+	mu  sync.Mutex
+	all []time.Duration
+}
+
+func (d *durations) add(x time.Duration) {
+	d.mu.Lock()
+	d.all = append(d.all, x)
+	d.mu.Unlock()
+}
+
+// mean is the mean, in milliseconds (what throughput divides by); 0 for
+// none.
+func (d *durations) mean() float64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.all) == 0 {
+		return 0
+	}
+	var sum time.Duration
+	for _, x := range d.all {
+		sum += x
+	}
+	return float64(sum.Microseconds()) / 1000 / float64(len(d.all))
 }
