@@ -194,16 +194,17 @@ func TestBenchMeasuresAHandlerThatWaits(t *testing.T) {
 	if claims, rows := benchRows(t, pool, "bench-%"); claims != claimsBefore || rows != 0 {
 		t.Errorf("%d claims after, %d before; %d analytics rows in the bench's customer range", claims, claimsBefore, rows)
 	}
-	var payments, intents, charges, keys int
+	var payments, intents, charges, keys, events int
 	if err := pool.QueryRow(context.Background(), `SELECT
 (SELECT count(*) FROM billing.payments WHERE customer_id >= $1 AND customer_id < $2),
 (SELECT count(*) FROM billing.charge_intents WHERE order_id >= $1 AND order_id < $3),
 (SELECT count(*) FROM payment_provider.charge WHERE account LIKE 'acct\_bench-%'),
-(SELECT count(*) FROM payment_provider.idempotency_key WHERE account LIKE 'acct\_bench-%')`,
-		benchCustomers, benchCustomers+benchCustomerCount, benchCustomers+benchOrders).Scan(&payments, &intents, &charges, &keys); err != nil {
+(SELECT count(*) FROM payment_provider.idempotency_key WHERE account LIKE 'acct\_bench-%'),
+(SELECT count(*) FROM once_outbox WHERE payload->>'destination_topic' LIKE 'bench-%')`,
+		benchCustomers, benchCustomers+benchCustomerCount, benchCustomers+benchOrders).Scan(&payments, &intents, &charges, &keys, &events); err != nil {
 		t.Fatal(err)
 	}
-	if payments+intents+charges+keys != 0 {
-		t.Fatalf("left behind: %d payments, %d charge intents, %d simulator charges, %d idempotency keys", payments, intents, charges, keys)
+	if payments+intents+charges+keys+events != 0 {
+		t.Fatalf("left behind: %d payments, %d charge intents, %d simulator charges, %d idempotency keys, %d payment events in the outbox", payments, intents, charges, keys, events)
 	}
 }
