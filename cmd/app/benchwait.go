@@ -33,11 +33,11 @@ type benchWaitSettings struct {
 	HoldWindow      int           `name:"hold-window" default:"2000" help:"WH: the group's Window, the most messages of its partition in flight: how far the other keys run past the held one."`
 }
 
-// The rows of the waiting table, and what each is.
+// The variants of the waiting table, and what each is (WH, one key held,
+// has its own account below it).
 var benchWaitVariants = []struct{ name, what string }{
 	{"W", "the handler waits --handler-latency in the claim's transaction, then upserts analytics"},
 	{"WB", "billing against the payment simulator (--fault-latency = --handler-latency): charge intent, the provider's call in the claim's transaction, the payment row and its event in the outbox"},
-	{"WH", "W on one partition in key order at the largest N, one key held (its handler failing as a provider answering 503) for --hold-for"},
 }
 
 func (s benchWaitSettings) validate(only []string) error {
@@ -256,8 +256,8 @@ func (b *benchCmd) measureHold(ctx context.Context, d deps, version sarama.Kafka
 	}
 	book.line.Set("waiting handler: WH, key %q held for %s", heldKey, s.HoldFor)
 	group := book.group(fmt.Sprintf("wh.key%d", h.n))
-	f, err := b.child(ctx, d, "WH", topic, group, h.events, h.n, s.WaitPool, book.started,
-		"--order", "key", "--window", strconv.Itoa(w), "--latency", s.HandlerLatency.String(), "--hold-key", heldKey, "--hold-for", s.HoldFor.String())
+	args := []string{"--order", "key", "--window", strconv.Itoa(w), "--latency", s.HandlerLatency.String(), "--hold-key", heldKey, "--hold-for", s.HoldFor.String()}
+	f, err := b.child(ctx, d, "WH", topic, group, h.events, h.n, s.WaitPool, book.started, append(args, b.profileArgs("WH", *book.measurements)...)...)
 	if err != nil {
 		book.line.Done()
 		fmt.Fprintf(d.stderr, "bench WH: %v\n", err)
@@ -318,7 +318,7 @@ func (r *waitReport) print(w io.Writer) {
 	}
 	if len(r.rows) > 0 {
 		fmt.Fprintf(w, "\nwaiting handler: %s inside the claim's transaction, pool (MaxConns) %d; ceilings: min(N, pool) / latency in key order, partitions / latency in partition order\n", ms(r.latency), r.pool)
-		for _, v := range benchWaitVariants[:2] {
+		for _, v := range benchWaitVariants {
 			if slices.ContainsFunc(r.rows, func(row waitRow) bool { return row.variant == v.name }) {
 				fmt.Fprintf(w, "  %-3s %s\n", v.name, v.what)
 			}
