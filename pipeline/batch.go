@@ -360,6 +360,7 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 			return nil, why
 		}
 		ctxDone := msg.Context().Done()
+		revoked, stopping := revokedOf(msg), b.p.stopping
 		for {
 			select {
 			case err := <-e.result:
@@ -370,13 +371,27 @@ func (b *batcher) claim(next message.HandlerFunc) message.HandlerFunc {
 					return next(msg)
 				}
 				return nil, err
-			case <-revokedOf(msg):
+			case <-revoked:
+				if b.inBatch(e) {
+					// Its batch is under way: within the revocation
+					// grace it decides the message, which is then marked.
+					revoked = nil
+					continue
+				}
 				return giveUp(ErrRevoked)
-			case <-b.p.stopping:
+			case <-stopping:
+				if b.inBatch(e) {
+					stopping = nil
+					continue
+				}
 				return giveUp(errShutdown)
 			case <-ctxDone:
-				if b.p.stopped(msg) {
+				if b.p.stopped(msg) && !b.inBatch(e) {
 					return giveUp(errShutdown)
+				}
+				if b.p.stopped(msg) {
+					ctxDone = nil
+					continue
 				}
 				// The attempt's time (or a team's timeout) ran out while it
 				// waited for the messages before it, a wait that is not its
@@ -436,6 +451,13 @@ func (b *batcher) isHead(e *batchEntry) bool {
 		}
 	}
 	return true
+}
+
+// inBatch: e is in the batch under way, which decides it.
+func (b *batcher) inBatch(e *batchEntry) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return e.state == inBatch
 }
 
 // withdraw takes a message that gave up waiting out of the next batch; one
@@ -642,7 +664,9 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 	for i, it := range batch {
 		msgs[i] = it.frozen
 	}
-	attemptCtx, cancel := context.WithTimeout(ctx, b.p.cfg.AttemptTimeout)
+	// Not ctx, which the stop ends at once: a batch under way gets the
+	// revocation grace of its partitions, at a stop as at a rebalance.
+	attemptCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), b.p.cfg.AttemptTimeout)
 	defer cancel()
 	// Each partition's attempts under way count the batch: it gets the
 	// revocation grace of every partition it holds, and ends when the
@@ -656,7 +680,9 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 		owners[o] = true
 		run := runOf(it.frozen)
 		if run == nil {
+			// Not from a subscriber (Local): no grace, the stop ends it.
 			defer context.AfterFunc(o, cancel)()
+			defer context.AfterFunc(ctx, cancel)()
 			continue
 		}
 		if !run.begin(o) {
@@ -774,6 +800,7 @@ func (b *batcher) commit(ctx context.Context, batch []batchItem) {
 	b.decided.Add(int64(len(acked)))
 	for _, e := range acked {
 		b.endSpan(e, nil)
+		settledDone(e.msg) // its batch committed: the acknowledgement marks it
 		e.msg.Ack()
 	}
 	for _, v := range givenBack {

@@ -82,9 +82,37 @@ func (f *batchFixture) claimAsync(msg *message.Message) <-chan error {
 }
 
 // Review finding: a message whose goroutine leaves between the forming of
-// its batch and the batch's commit (shutdown) made the commit read a nil
-// message and panic. The batch now works on the copy it took.
+// its batch and the batch's commit made the commit read a nil message and
+// panic. The batch now works on the copy it took.
 func TestAMessageLeavingBeforeItsBatchCommitsIsNoCrash(t *testing.T) {
+	f := newBatchFixture(t, failingDB{})
+	owner, end := context.WithCancel(context.Background())
+	defer end()
+	m10, _ := f.message(owner, 10)
+	f.b.announce(m10)
+	f.b.mu.Lock()
+	e10 := f.b.entries[entryKey{owner, m10.UUID}]
+	e10.state, e10.msg, e10.ctx, e10.since, e10.result = waiting, m10, m10.Context(), time.Now(), make(chan error, 1)
+	f.b.mu.Unlock()
+	batch := f.b.next(context.Background())
+	if len(batch) != 1 {
+		t.Fatalf("batch of %d", len(batch))
+	}
+	f.b.leave(m10, true) // its goroutine left, keeping its place
+	defer func() {
+		if r := recover(); r != nil {
+			t.Fatalf("commit panicked: %v", r)
+		}
+	}()
+	f.b.commit(context.Background(), batch)
+}
+
+// Review of the revocation grace: a message whose batch is under way when
+// the pipeline stops no longer leaves it (its batch got cut off, and the
+// message, committed or not, was given back): it waits for the batch's
+// verdict, which the grace lets come. Here the batch fails, and the
+// message runs on its own.
+func TestAMessageInABatchUnderWayWaitsForItsVerdictAtAStop(t *testing.T) {
 	f := newBatchFixture(t, failingDB{})
 	owner, end := context.WithCancel(context.Background())
 	defer end()
@@ -97,16 +125,18 @@ func TestAMessageLeavingBeforeItsBatchCommitsIsNoCrash(t *testing.T) {
 		t.Fatalf("batch of %d", len(batch))
 	}
 	close(f.p.stopping)
-	if err := <-done; !errors.Is(err, errShutdown) {
-		t.Fatalf("claim at shutdown: %v", err)
+	select {
+	case err := <-done:
+		t.Fatalf("left its batch under way at the stop: %v", err)
+	case <-time.After(100 * time.Millisecond):
 	}
-	f.b.leave(m10, true) // what track does with errShutdown
-	defer func() {
-		if r := recover(); r != nil {
-			t.Fatalf("commit panicked: %v", r)
-		}
-	}()
 	f.b.commit(context.Background(), batch)
+	if err := <-done; err != nil {
+		t.Fatalf("after its batch failed: %v; want it run on its own", err)
+	}
+	if id := <-f.ran; id != m10.UUID {
+		t.Fatalf("ran %s on its own; want %s", id, m10.UUID)
+	}
 }
 
 // Review finding: when a batch failed, the first of a partition to run on

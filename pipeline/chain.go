@@ -100,6 +100,14 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			// The claim is looked up here once: later lookups find it a few
 			// contexts up instead of at the bottom of the router's chain.
 			c, _ := claimOf(msg)
+			if c.run != nil {
+				// Under way until its verdict: a revocation's grace waits
+				// for it, and none is taken after the revocation.
+				if !c.run.begin(c.owner) {
+					return nil, ErrRevoked
+				}
+				defer c.run.end()
+			}
 			ctx, span := p.startSpan(orig, topic, group, msg)
 			defer span.End()
 			ctx = context.WithValue(ctx, publisherCtxKey{}, p.publisher)
@@ -108,6 +116,8 @@ func (p *Pipeline) delivered(topic, group string) message.HandlerMiddleware {
 			out, err := h(msg)
 			if err != nil {
 				span.SetStatus(codes.Error, err.Error())
+			} else {
+				settledDone(msg) // before its acknowledgement, which marks it
 			}
 			return out, err
 		}
@@ -475,11 +485,10 @@ func (p *Pipeline) attempt(msg *message.Message, h message.HandlerFunc, owner co
 	parent := msg.Context()
 	ctx, cancel := context.WithTimeout(context.WithValue(parent, attemptCtxKey{}, attempt), p.cfg.AttemptTimeout)
 	defer cancel()
-	if run := runOf(msg); run != nil && owner != nil {
-		if !run.begin(owner) {
-			return nil, ErrRevoked
+	if run := runOf(msg); run != nil {
+		if owner != nil && owner.Err() != nil {
+			return nil, ErrRevoked // no attempt begins after the revocation
 		}
-		defer run.end()
 		// A callback, not a goroutine watching the revocation: this runs
 		// for every message.
 		defer context.AfterFunc(run.hard, cancel)()

@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -46,6 +47,10 @@ func validInstanceID(id string) bool {
 // ErrFenced is what Run returns when another process joined a consumer
 // group under this one's InstanceID: two instances were given one name.
 var ErrFenced = errors.New("pipeline: another process joined the consumer group under this process's InstanceID (group.instance.id), which fenced this one out: give each instance a name of its own")
+
+// saramaSessionTimeout is sarama's session timeout, a group's when
+// Config.SessionTimeout is not set.
+const saramaSessionTimeout = 10 * time.Second
 
 // maxRevocationGrace is sarama's rebalance timeout, which the grace must
 // stay below.
@@ -141,7 +146,9 @@ type Config struct {
 	// timeout): a call cut off in the middle leaves the provider holding
 	// its Idempotency-Key, and the next owner's call waits on it. Below
 	// the group's rebalance timeout (60s), or the member is dropped from
-	// the group. Default: [DefaultRevocationGrace]. Negative: none.
+	// the group, and below CloseTimeout, whose drain must cover it.
+	// Default: [DefaultRevocationGrace], or half of CloseTimeout when that
+	// is shorter. Negative: none.
 	RevocationGrace time.Duration
 
 	// MaxEventAge may make the dedup horizon shorter than the claims'
@@ -370,7 +377,8 @@ func (c *Config) setDefaults() {
 		c.CloseTimeout = 30 * time.Second
 	}
 	if c.RevocationGrace == 0 {
-		c.RevocationGrace = DefaultRevocationGrace
+		// A stop's drain (CloseTimeout) must cover the grace.
+		c.RevocationGrace = min(DefaultRevocationGrace, c.CloseTimeout/2)
 	}
 	if c.AttemptTimeout == 0 {
 		c.AttemptTimeout = 2 * time.Minute
@@ -426,8 +434,15 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if c.InstanceID != "" && !validInstanceID(c.InstanceID) {
 		errs = append(errs, fmt.Errorf("pipeline: InstanceID %q: want 1 to 249 letters, digits, '.', '_' or '-' (Kafka's group.instance.id)", c.InstanceID))
 	}
-	if c.HeartbeatInterval < 0 || (c.HeartbeatInterval > 0 && c.SessionTimeout > 0 && c.HeartbeatInterval*3 > c.SessionTimeout) {
-		errs = append(errs, fmt.Errorf("pipeline: HeartbeatInterval %s: want at most a third of SessionTimeout %s", c.HeartbeatInterval, c.SessionTimeout))
+	if session := cmp.Or(c.SessionTimeout, saramaSessionTimeout); c.HeartbeatInterval < 0 || c.HeartbeatInterval*3 > session {
+		errs = append(errs, fmt.Errorf("pipeline: HeartbeatInterval %s: want at most a third of SessionTimeout %s", c.HeartbeatInterval, session))
+	}
+	if c.InstanceID != "" && err == nil && !version.IsAtLeast(sarama.V2_3_0_0) {
+		errs = append(errs, fmt.Errorf("pipeline: InstanceID needs KafkaVersion 2.3 or later (static membership), not %s", version))
+	}
+	if c.RevocationGrace > 0 && c.CloseTimeout > 0 && c.RevocationGrace >= c.CloseTimeout {
+		errs = append(errs, fmt.Errorf("pipeline: RevocationGrace %s must be shorter than CloseTimeout %s: a stop's drain must cover the attempts it lets finish, or they commit after Run returned",
+			c.RevocationGrace, c.CloseTimeout))
 	}
 	if c.RevocationGrace >= maxRevocationGrace {
 		errs = append(errs, fmt.Errorf("pipeline: RevocationGrace %s must stay below the group's rebalance timeout, %s: a member that takes longer to give its partitions up is dropped from the group",
@@ -825,6 +840,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		sub.closeTimeout = cfg.CloseTimeout
 		sub.revocationGrace = max(cfg.RevocationGrace, 0)
 		sub.onFatal = p.fail
+		sub.pipelined = true
 		p.subs[g.name] = sub
 		p.closers = append(p.closers, sub.Close)
 	}

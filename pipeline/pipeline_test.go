@@ -409,8 +409,19 @@ func TestInvalidConfigReportsEveryProblem(t *testing.T) {
 	// empty address, which went through to a dial error far from the cause.
 	err = pipeline.Config{Brokers: strings.Split("", ","), Topics: []pipeline.Binding{pipeline.Topic[confirmed]{Name: "t", Decode: decodeConfirmed,
 		Groups: []pipeline.Group[confirmed]{{Name: "g", Handle: noop, Order: pipeline.OrderKey, HandleBatch: func(context.Context, pgx.Tx, []confirmed) error { return nil }}}}},
-		InstanceID: "pod 0", HeartbeatInterval: 5 * time.Second, SessionTimeout: 10 * time.Second}.Validate()
-	for _, want := range []string{"Brokers [\"\"] holds an empty address", "Order \"key\" is for a per-event group", "InstanceID \"pod 0\"", "HeartbeatInterval 5s"} {
+		InstanceID: "pod 0", HeartbeatInterval: 5 * time.Second, SessionTimeout: 10 * time.Second, RevocationGrace: 2 * time.Second, CloseTimeout: time.Second}.Validate()
+	for _, want := range []string{"Brokers [\"\"] holds an empty address", "Order \"key\" is for a per-event group", "InstanceID \"pod 0\"", "HeartbeatInterval 5s",
+		"RevocationGrace 2s must be shorter than CloseTimeout 1s"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not mention %q:\n%v", want, err)
+		}
+	}
+	// Review findings: a heartbeat longer than a third of sarama's default
+	// session timeout, and static membership on a Kafka older than 2.3,
+	// passed Validate and failed in Run with sarama's words.
+	err = pipeline.Config{Brokers: []string{"k:9092"}, KafkaVersion: "2.1.0", InstanceID: "pod-0", HeartbeatInterval: 12 * time.Second,
+		Topics: []pipeline.Binding{pipeline.Topic[confirmed]{Name: "t", Decode: decodeConfirmed, Groups: []pipeline.Group[confirmed]{{Name: "g", Handle: noop}}}}}.Validate()
+	for _, want := range []string{"HeartbeatInterval 12s: want at most a third of SessionTimeout 10s", "InstanceID needs KafkaVersion 2.3 or later"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("error does not mention %q:\n%v", want, err)
 		}

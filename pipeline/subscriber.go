@@ -35,13 +35,16 @@ import (
 // of a partition at once, or a batch could never hold more events than the
 // consumer owns partitions.
 //
-// A partition's consumption ends with its session: messages still in flight
-// are not waited for (their offsets are not marked; the partition's next
-// owner receives them again), so no slow message holds a rebalance up.
+// A partition's consumption ends with its session: no message is taken any
+// more, and those under way get the revocation grace to finish; what they
+// finish is marked and committed with the session, the rest is given back
+// (its offset unmarked; the partition's next owner receives it again).
+// Nothing waits longer than the grace, so no slow message holds a
+// rebalance up for more.
 //
 // Each message's context ends as soon as the message is acknowledged or
-// given back, when its partition's session ends, and with the
-// subscription: whatever a handler started on it stops with it.
+// given back, when its partition's grace ends, and with the subscription:
+// whatever a handler started on it stops with it.
 type subscriber struct {
 	brokers []string
 	group   string
@@ -69,6 +72,10 @@ type subscriber struct {
 	// onFatal, if set, is told of what ends consuming for good (ErrFenced);
 	// without it the subscription just ends.
 	onFatal func(error)
+	// pipelined: a pipeline's chain (or batch) says of each message it
+	// decided that it is done (settledDone); an acknowledgement without it
+	// marks nothing.
+	pipelined bool
 }
 
 // closeFeed closes f's channel once: its handler in the router ends.
@@ -305,9 +312,9 @@ func (h *claimHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 	}()
 	grace := h.s.revocationGrace
 	defer func() {
-		// The attempts under way finish (within the grace), their offsets
+		// The messages under way finish (within the grace), their offsets
 		// are marked, and the session commits them once this returns.
-		run.finish(grace)
+		run.finish(grace, ackerDone)
 		<-ackerDone
 	}()
 	messages := claim.Messages()
@@ -365,10 +372,15 @@ type handedOut struct {
 // its turn comes. Each message's context ends here when its turn comes,
 // and sooner when a watcher of its own saw it settled (see sendLocked).
 //
-// After the session ended it goes on until the attempts under way are done
-// (run's hard context): what they finish is marked, and the session
-// commits it; a message given back then is the next owner's, and nothing
-// after it is marked.
+// In a pipeline an acknowledged message marks its offset only when the
+// pipeline decided it (msgState); one acknowledged by anything else (a
+// team's router middleware that swallowed the error of a message given
+// back) is handed out again, as a message given back is.
+//
+// After the session ended it goes on during the revocation grace: what the
+// messages under way finish is marked, and the session commits it. It
+// stops at the first message given back, once nothing is under way
+// (run.draining) at the first one not settled, and at the grace's end.
 func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Context, run *claimRun, f *feed, inFlight <-chan *handedOut) {
 	commitEach := !h.s.config.Consumer.Offsets.AutoCommit.Enable
 	hard := run.hard.Done()
@@ -376,31 +388,41 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 		var m *handedOut
 		select {
 		case m = <-inFlight:
+		case <-run.draining:
+			select {
+			case m = <-inFlight:
+			default:
+				return // everything handed out is marked
+			}
 		case <-hard:
 			return
 		}
 		for {
+			acked := false
 			select {
 			case <-m.msg.Acked():
+				acked = true
 			case <-m.msg.Nacked():
-				if owner.Err() != nil {
-					return
-				}
-				select {
-				case <-time.After(nackResendSleep):
-				case <-owner.Done():
-					return
-				}
-				m.settle()
-				m.msg, m.settle = h.message(m.km, owner, run)
-				if !h.handOut(f, m.msg) {
-					return
-				}
-				continue
 			case <-hard:
 				return
 			}
-			break
+			if acked && h.decided(m.msg) {
+				break
+			}
+			// Given back: handed out again, unless the session ended.
+			if owner.Err() != nil {
+				return
+			}
+			select {
+			case <-time.After(nackResendSleep):
+			case <-owner.Done():
+				return
+			}
+			m.settle()
+			m.msg, m.settle = h.message(m.km, owner, run)
+			if !h.handOut(f, m.msg) {
+				return
+			}
 		}
 		m.settle()
 		if run.hard.Err() == nil {
@@ -410,6 +432,16 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 			}
 		}
 	}
+}
+
+// decided: msg was acknowledged because it is done, as a pipeline decided
+// it, or by any consumer for a subscriber outside a pipeline.
+func (h *claimHandler) decided(msg *message.Message) bool {
+	if !h.s.pipelined {
+		return true
+	}
+	c, ok := claimOf(msg)
+	return ok && c.state != nil && c.state.done.Load()
 }
 
 // message makes the Watermill message of km, owned by the session. Its
@@ -422,7 +454,8 @@ func (h *claimHandler) ack(sess sarama.ConsumerGroupSession, owner context.Conte
 func (h *claimHandler) message(km *sarama.ConsumerMessage, owner context.Context, run *claimRun) (*message.Message, context.CancelFunc) {
 	msg, _ := unmarshaler{}.Unmarshal(km) // never fails
 	ctx, settle := context.WithCancel(run.hard)
-	msg.SetContext(context.WithValue(ctx, claimCtxKey{}, claimInfo{owner: owner, subscription: h.ctx, topic: km.Topic, partition: km.Partition, settle: settle, run: run}))
+	msg.SetContext(context.WithValue(ctx, claimCtxKey{}, claimInfo{owner: owner, subscription: h.ctx, topic: km.Topic, partition: km.Partition,
+		settle: settle, run: run, state: &msgState{}}))
 	return msg, settle
 }
 
@@ -512,21 +545,32 @@ type claimInfo struct {
 	settle       context.CancelFunc
 	topic        string
 	partition    int32
-	// run is the partition's attempts under way: they outlive owner by
+	// run is the partition's messages under way: they outlive owner by
 	// the revocation grace (see claimRun); nil for none.
 	run *claimRun
+	// state is what the pipeline decided of this delivery (nil outside a
+	// pipeline's subscriber).
+	state *msgState
 }
 
-// claimRun is a partition's attempts under way in this session. When the
-// session ends (a revocation, or the stop), no attempt begins any more, the
-// ones under way get the revocation grace to finish and commit, and then
-// hard ends, which cancels whatever still runs: an attempt cut off before
-// its commit rolls back and the partition's next owner runs it, but one
-// that started a provider's call is rarely cut off in the middle, and the
-// next owner does not wait on that call's idempotency key.
+// claimRun is a partition's messages under way in this session: counted
+// from the moment the pipeline's chain takes one (or a batch holds it) until
+// the chain has returned its verdict. When the session ends (a revocation,
+// or the stop), no message is taken any more; the ones under way get the
+// revocation grace to finish and commit, and the acker marks what they
+// finished; then hard ends, which cancels whatever still runs: an attempt
+// cut off before its commit rolls back and the partition's next owner runs
+// it, but a provider's call is rarely cut off in the middle, and the next
+// owner does not wait on that call's idempotency key. A message the chain
+// took waits for nothing but its attempt once the session ended (its key's
+// turn, a slot, a batch, a pause between attempts all end at once).
 type claimRun struct {
 	hard    context.Context
 	endHard context.CancelFunc
+	// draining is closed once nothing is under way any more after the
+	// session's end, or the grace ran out: the acker marks what settled
+	// as done, and stops at the first message that did not.
+	draining chan struct{}
 
 	mu       sync.Mutex
 	underWay int
@@ -535,11 +579,11 @@ type claimRun struct {
 
 func newClaimRun(owner context.Context) *claimRun {
 	hard, end := context.WithCancel(context.WithoutCancel(owner))
-	return &claimRun{hard: hard, endHard: end}
+	return &claimRun{hard: hard, endHard: end, draining: make(chan struct{})}
 }
 
-// begin counts an attempt under way, unless the session has ended (owner):
-// none begins after the revocation.
+// begin counts a message under way, unless the session has ended (owner):
+// none is taken after the revocation.
 func (r *claimRun) begin(owner context.Context) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -560,25 +604,48 @@ func (r *claimRun) end() {
 	}
 }
 
-// finish waits, once the session ended, for the attempts under way to end,
-// for grace at most, then ends hard.
-func (r *claimRun) finish(grace time.Duration) {
+// finish runs once the session ended: it waits for the messages under way
+// (for grace at most), lets the acker mark what they finished (done, its
+// wait until then), and ends hard.
+func (r *claimRun) finish(grace time.Duration, acker <-chan struct{}) {
 	defer r.endHard()
+	deadline := make(chan struct{})
+	defer time.AfterFunc(max(grace, 0), func() { close(deadline) }).Stop()
 	r.mu.Lock()
-	if r.underWay == 0 || grace <= 0 {
-		r.mu.Unlock()
-		return
+	idle := closedChan
+	if r.underWay > 0 && grace > 0 {
+		if r.idle == nil {
+			r.idle = make(chan struct{})
+		}
+		idle = r.idle
 	}
-	if r.idle == nil {
-		r.idle = make(chan struct{})
-	}
-	idle := r.idle
 	r.mu.Unlock()
-	timer := time.NewTimer(grace)
-	defer timer.Stop()
 	select {
 	case <-idle:
-	case <-timer.C:
+	case <-deadline:
+	}
+	close(r.draining)
+	select {
+	case <-acker:
+	case <-deadline:
+	}
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// msgState is what the pipeline's chain decided of one message: done (its
+// effect or its verdict committed: processed, a duplicate, dead-lettered),
+// or not, when it was given back to come again. An acknowledgement by
+// anything else (a team's router-level middleware that swallows the error
+// of a message given back) marks nothing.
+type msgState struct {
+	done atomic.Bool
+}
+
+// settledDone marks msg as decided by the pipeline.
+func settledDone(msg *message.Message) {
+	if c, ok := claimOf(msg); ok && c.state != nil {
+		c.state.done.Store(true)
 	}
 }
 
@@ -626,7 +693,8 @@ func revokedOf(msg *message.Message) <-chan struct{} {
 // flight, offsets committed every second up to the first unacknowledged
 // message. It is subscribed once, to one topic. A message's context ends
 // once it is acknowledged or nacked, when its partition is revoked from
-// this member, and when the subscription ends. It passes Watermill's Pub/Sub
+// this member, and when the subscription ends (no revocation grace: that
+// is a pipeline's). It passes Watermill's Pub/Sub
 // test suite (pubsub/tests) but for the tests of several subscriptions on
 // one subscriber.
 // Pipelines make their own; this is for tools that measure the pipeline

@@ -70,7 +70,7 @@ func TestTheEndOfAMessagesSessionIsARevocationNotAShutdown(t *testing.T) {
 			p := &Pipeline{stopping: make(chan struct{})}
 
 			c.end(endSession, endSubscription)
-			run.finish(time.Minute) // nothing under way: at once, as ConsumeClaim does
+			run.finish(time.Minute, closedChan) // nothing under way: at once, as ConsumeClaim does
 			if msg.Context().Err() == nil {
 				t.Fatal("the message's context did not end")
 			}

@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -123,4 +126,85 @@ func benchRows(t *testing.T, pool *pgxpool.Pool, pattern string) (claims, rows i
 		t.Fatal(err)
 	}
 	return claims, rows
+}
+
+// app bench --handler-latency measures a handler that waits (W), billing
+// against the payment simulator (WB), in partition and in key order, and
+// one key held (WH): its tables have their columns and positive figures,
+// the held key was held (its failed attempts counted) and its events came
+// after it in order, none lost, and no claim, billing row, payment event
+// or simulator charge is left behind.
+func TestBenchMeasuresAHandlerThatWaits(t *testing.T) {
+	pool := reftest.Postgres(t)
+	brokers := testenv.Brokers(t)
+	t.Setenv("ONCE_TEST_BINARY_IS_APP", "1")
+	claimsBefore, _ := benchRows(t, pool, "bench-%")
+	plot := filepath.Join(t.TempDir(), "bench.svg")
+	out, err := runApp(t, "bench", "--kafka-brokers", strings.Join(brokers, ","), "--database-url", pool.Config().ConnString(),
+		"--only", "W,WB,WH", "--sweep", "", "--handler-latency", "20ms", "--wait-concurrency", "4", "--wait-pool", "8",
+		"--wait-partitions", "2", "--wait-seconds", "1s", "--hold-for", "2s", "--hold-window", "40", "--plot", plot)
+	if err != nil {
+		t.Fatalf("app bench: %v\n%s", err, out)
+	}
+	header := "variant  partitions      order  N  events  events/s  ceiling  of ceiling  x partition ceiling  p50 ms  p99 ms  attempt ms  in handler ms  call ms  CPU us/event"
+	if !strings.Contains(out, header) {
+		t.Fatalf("no waiting table with its columns %q:\n%s", header, out)
+	}
+	rows := 0
+	for _, l := range strings.Split(out, "\n") {
+		f := strings.Fields(l)
+		if len(f) != 15 || (f[0] != "W" && f[0] != "WB") || (f[2] != "partition" && f[2] != "key") {
+			continue
+		}
+		rows++
+		cols := []int{4, 5, 6, 7, 9, 10, 11, 12, 14} // events, events/s, ceiling, of ceiling, p50, p99, attempt, in handler, CPU
+		if f[0] == "WB" {
+			cols = append(cols, 13) // the provider's call
+		}
+		for _, i := range cols {
+			if v, err := strconv.ParseFloat(f[i], 64); err != nil || v <= 0 {
+				t.Errorf("row %q: column %d is %q, want a positive number", l, i, f[i])
+			}
+		}
+		if want := map[string]string{"partition": "100", "key": "200"}[f[2]]; f[6] != want {
+			t.Errorf("row %q: ceiling %s, want %s (2 partitions / 20ms, min(4, 8) / 20ms)", l, f[6], want)
+		}
+	}
+	if rows != 4 {
+		t.Errorf("%d rows of W and WB, want 4 (each in partition order and in key order at N 4):\n%s", rows, out)
+	}
+	held := regexp.MustCompile(`the held key +(\d+) attempts held over [0-9.]+ s; its 5 events processed after it, in offset order: yes`).FindStringSubmatch(out)
+	if held == nil {
+		t.Fatalf("the held key's events are not all accounted for, in order:\n%s", out)
+	}
+	if n, _ := strconv.Atoi(held[1]); n < 1 {
+		t.Fatalf("the held key was never held (%s attempts):\n%s", held[1], out)
+	}
+	for _, want := range []string{"events processed  120 of 120 (lost 0)", "the other keys before the hold", "the window full, behind the held key"} {
+		if !strings.Contains(strings.Join(strings.Fields(out), " "), strings.Join(strings.Fields(want), " ")) {
+			t.Errorf("the output has no %q:\n%s", want, out)
+		}
+	}
+	if svg, err := os.ReadFile(filepath.Join(filepath.Dir(plot), "bench-wait.svg")); err != nil || !strings.Contains(string(svg), "2 partitions, key order") {
+		t.Errorf("the waiting handler's picture: %v", err)
+	}
+	if strings.Contains(out, "left rows behind") {
+		t.Errorf("cleanup failed:\n%s", out)
+	}
+	if claims, rows := benchRows(t, pool, "bench-%"); claims != claimsBefore || rows != 0 {
+		t.Errorf("%d claims after, %d before; %d analytics rows in the bench's customer range", claims, claimsBefore, rows)
+	}
+	var payments, intents, charges, keys, events int
+	if err := pool.QueryRow(context.Background(), `SELECT
+(SELECT count(*) FROM billing.payments WHERE customer_id >= $1 AND customer_id < $2),
+(SELECT count(*) FROM billing.charge_intents WHERE order_id >= $1 AND order_id < $3),
+(SELECT count(*) FROM payment_provider.charge WHERE account LIKE 'acct\_bench-%'),
+(SELECT count(*) FROM payment_provider.idempotency_key WHERE account LIKE 'acct\_bench-%'),
+(SELECT count(*) FROM once_outbox WHERE payload->>'destination_topic' LIKE 'bench-%')`,
+		benchCustomers, benchCustomers+benchCustomerCount, benchCustomers+benchOrders).Scan(&payments, &intents, &charges, &keys, &events); err != nil {
+		t.Fatal(err)
+	}
+	if payments+intents+charges+keys+events != 0 {
+		t.Fatalf("left behind: %d payments, %d charge intents, %d simulator charges, %d idempotency keys, %d payment events in the outbox", payments, intents, charges, keys, events)
+	}
 }

@@ -5,6 +5,9 @@ import (
 	"image/color"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
+	"time"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -96,6 +99,12 @@ func (b benchPlot) save(path string) error {
 	if len(charts) == 0 {
 		return fmt.Errorf("nothing to draw: run a sweep or an offered load")
 	}
+	return saveCharts(path, charts)
+}
+
+// saveCharts draws charts side by side into path, as SVG or PNG by its
+// extension.
+func saveCharts(path string, charts []*plot.Plot) error {
 	const w, h = 5 * vg.Inch, 3.6 * vg.Inch
 	var canvas vg.CanvasWriterTo
 	width := vg.Length(len(charts)) * w
@@ -141,4 +150,99 @@ func writeCanvas(path string, canvas vg.CanvasWriterTo) error {
 		return err
 	}
 	return f.Close()
+}
+
+// waitPlot is the waiting handler's picture: events/s by N in key order,
+// per partition count, beside partition order's events/s and the ceiling
+// min(N, pool) / latency; a chart per variant (W, WB).
+type waitPlot struct {
+	latency time.Duration
+	pool    int
+	rows    []waitRow
+}
+
+func (r *waitReport) plot() waitPlot { return waitPlot{latency: r.latency, pool: r.pool, rows: r.rows} }
+
+// waitPlotPath is the waiting handler's picture beside --plot's:
+// docs/bench.png gives docs/bench-wait.png.
+func waitPlotPath(plotPath string) string {
+	ext := filepath.Ext(plotPath)
+	return strings.TrimSuffix(plotPath, ext) + "-wait" + ext
+}
+
+// One colour per partition count, in the order they come.
+var waitColors = []color.Color{colorP, colorPB, color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}, color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 0xff}}
+
+func (w waitPlot) save(path string) error {
+	titles := map[string]string{"W": "W: a %s wait in the claim's transaction", "WB": "WB: billing, the provider answering in %s"}
+	var charts []*plot.Plot
+	for _, v := range []string{"W", "WB"} {
+		var rows []waitRow
+		for _, r := range w.rows {
+			if r.variant == v && r.f.Skipped == "" {
+				rows = append(rows, r)
+			}
+		}
+		if len(rows) == 0 {
+			continue
+		}
+		p := plot.New()
+		p.Title.Text, p.X.Label.Text, p.Y.Label.Text = fmt.Sprintf(titles[v], w.latency), "N (Concurrency), key order", "events/s"
+		var ns []int
+		var parts []int32
+		for _, r := range rows {
+			if r.key && !slices.Contains(ns, r.n) {
+				ns = append(ns, r.n)
+			}
+			if !slices.Contains(parts, r.partitions) {
+				parts = append(parts, r.partitions)
+			}
+		}
+		slices.Sort(ns)
+		if len(ns) == 0 {
+			continue
+		}
+		lo, hi := float64(ns[0]), float64(ns[len(ns)-1])
+		var ceiling plotter.XYs
+		for _, n := range ns {
+			ceiling = append(ceiling, plotter.XY{X: float64(n), Y: float64(min(n, w.pool)) / w.latency.Seconds()})
+		}
+		if err := addLine(p, fmt.Sprintf("ceiling min(N, %d) / %s", w.pool, w.latency), color.Gray{Y: 0x80}, ceiling, vg.Points(4), vg.Points(3)); err != nil {
+			return err
+		}
+		for i, part := range parts {
+			c := waitColors[i%len(waitColors)]
+			var key plotter.XYs
+			for _, r := range rows {
+				switch {
+				case r.partitions != part:
+				case r.key:
+					key = append(key, plotter.XY{X: float64(r.n), Y: r.f.rate()})
+				default:
+					// Partition order has no N: its events/s across the axis.
+					if err := addLine(p, partitionsLabel(part)+", partition order", c, plotter.XYs{{X: lo, Y: r.f.rate()}, {X: hi, Y: r.f.rate()}}, vg.Points(2), vg.Points(2)); err != nil {
+						return err
+					}
+				}
+			}
+			slices.SortFunc(key, func(a, b plotter.XY) int { return int(a.X - b.X) })
+			if err := addLine(p, partitionsLabel(part)+", key order", c, key); err != nil {
+				return err
+			}
+		}
+		p.X.Min, p.Y.Min = 0, 0
+		p.Legend.Left = true
+		charts = append(charts, p)
+	}
+	if len(charts) == 0 {
+		return fmt.Errorf("nothing to draw: no run of W or WB")
+	}
+	return saveCharts(path, charts)
+}
+
+func partitionsLabel(p int32) string {
+	if p == 1 {
+		return "1 partition"
+	}
+	return fmt.Sprintf("%d partitions", p)
 }

@@ -39,11 +39,11 @@ type benchRunCmd struct {
 	DB           dbSettings `embed:""`
 	Brokers      []string   `name:"kafka-brokers" env:"KAFKA_BROKERS" sep:"," help:"Kafka bootstrap addresses."`
 	KafkaVersion string     `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
-	Variant      string     `name:"variant" required:"" enum:"L1,L2,L2U,L2B,B,P,PB,PBW" help:"What to measure (see app bench --help)."`
+	Variant      string     `name:"variant" required:"" enum:"L1,L2,L2U,L2B,B,P,PB,PBW,W,WB,WH" help:"What to measure (see app bench --help)."`
 	Topic        string     `name:"topic" help:"Topic to consume (Kafka variants)."`
 	Group        string     `name:"group" required:"" help:"Consumer group, and the claims' group."`
 	Events       int        `name:"events" required:"" help:"Events to process before stopping."`
-	Concurrency  int        `name:"concurrency" default:"12" help:"L2: goroutines, as many as the partitions a consumer owns."`
+	Concurrency  int        `name:"concurrency" default:"12" help:"L2: goroutines, as many as the partitions a consumer owns; W, WB, WH in key order: the group's Concurrency."`
 	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of the batched variants."`
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
@@ -51,6 +51,12 @@ type benchRunCmd struct {
 	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the whole process to this file: every allocation is recorded, so the run is slower and its figures are not comparable."`
+	Wait         waitFlags  `embed:""`
+
+	hold *holdFigures // WH's, once measured
+	// W, WB, WH: the mean time in the handler, and in a provider's call
+	// (WB), once measured.
+	inHandler, inCall float64
 }
 
 // benchFigures is what a measurement reports.
@@ -68,6 +74,12 @@ type benchFigures struct {
 	// Filled in by app bench.
 	PeakRSSKiB int64  `json:"peak_rss_kib,omitempty"`
 	Skipped    string `json:"skipped,omitempty"`
+	// Hold is WH's account of the held key and the others.
+	Hold *holdFigures `json:"hold,omitempty"`
+	// W, WB, WH: the mean time in the handler, and in one call to the
+	// payment provider (WB): what of an attempt is the wait itself.
+	HandlerMs float64 `json:"handler_ms,omitempty"`
+	CallMs    float64 `json:"call_ms,omitempty"`
 }
 
 func (f benchFigures) rate() float64 {
@@ -144,6 +156,13 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	c := newClock(b.Events)
 	line := progress.New(d.stderr)
 	defer line.Done()
+	label := b.Variant
+	switch {
+	case b.Variant[0] == 'W' && b.Wait.Order == "key":
+		label = fmt.Sprintf("%s in key order, N %d", b.Variant, b.Concurrency)
+	case b.Variant[0] == 'W':
+		label = fmt.Sprintf("%s in partition order", b.Variant)
+	}
 	go func() {
 		t := time.NewTicker(500 * time.Millisecond)
 		defer t.Stop()
@@ -154,7 +173,7 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				line.Set("%s: %d/%d events", b.Variant, c.done.Load(), b.Events)
+				line.Set("%s: %d/%d events", label, c.done.Load(), b.Events)
 			}
 		}
 	}()
@@ -169,8 +188,13 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		}
 		defer pprof.StopCPUProfile()
 	}
-	// Quiet: a measurement logs only what goes wrong.
-	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	// Quiet: a measurement logs only what goes wrong (WH's held key
+	// goes wrong on purpose, and is reported).
+	level := slog.LevelWarn
+	if b.Variant == "WH" {
+		level = slog.LevelError
+	}
+	log := slog.New(slog.NewTextHandler(d.stderr, &slog.HandlerOptions{Level: level}))
 	cpuBefore := cpuTime()
 	switch b.Variant {
 	case "L2", "L2U":
@@ -181,6 +205,8 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		err = b.bare(ctx, pool, c, log)
 	case "P", "PB", "PBW":
 		err = b.pipelined(ctx, pool, c, log)
+	case "W", "WB", "WH":
+		err = b.waiting(ctx, pool, c, log)
 	}
 	if err != nil {
 		return err
@@ -190,6 +216,8 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	f := c.figures(b.Variant)
 	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
+	f.Hold = b.hold
+	f.HandlerMs, f.CallMs = b.inHandler, b.inCall
 	if b.ClearAfter {
 		// Every measurement leaves the tables as it found them: the next
 		// one then inserts its rows as this one did, instead of updating
@@ -419,7 +447,7 @@ func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.
 	return waitErr
 }
 
-// pipelined (P, PB) runs the analytics group through the whole pipeline:
+// pipelined (P, PB, PBW) runs the analytics group through the whole pipeline:
 // per event, or batched. The latency is each message's, from its delivery
 // to the group (Hooks.OnDelivered) to its commit (a batch's wait included).
 func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger) error {
@@ -431,6 +459,15 @@ func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *cloc
 		g = pipeline.Group[orderevents.Confirmed]{Name: b.Group, HandleBatch: analytics.Handler{}.OnConfirmedBatch,
 			Batch: pipeline.Batch{Size: b.BatchSize, Concurrency: b.BatchConc, MaxWait: 5 * time.Millisecond, WaitToFill: true}}
 	}
+	return b.runPipeline(ctx, pool, c, log, pipeline.Config{
+		Topics: []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: b.Topic, Decode: orderevents.DecodeConfirmed, Groups: []pipeline.Group[orderevents.Confirmed]{g}}},
+	})
+}
+
+// runPipeline runs cfg's pipeline (its topics and groups, and hooks of its
+// own if any) until the clock has every event, timing each from its
+// delivery to its group to its commit.
+func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger, cfg pipeline.Config) error {
 	// Measured with hooks, not an Observe middleware: one would take a
 	// batched group off its direct path (see pipeline.Batch).
 	type at struct {
@@ -469,10 +506,9 @@ func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *cloc
 			c.finished(time.Since(start))
 		},
 	}
-	p, err := pipeline.New(pipeline.Config{
-		Brokers: b.Brokers, KafkaVersion: b.KafkaVersion, DB: pool, Logger: log, Hooks: hooks,
-		Topics: []pipeline.Binding{pipeline.Topic[orderevents.Confirmed]{Name: b.Topic, Decode: orderevents.DecodeConfirmed, Groups: []pipeline.Group[orderevents.Confirmed]{g}}},
-	})
+	cfg.Brokers, cfg.KafkaVersion, cfg.DB, cfg.Logger = b.Brokers, b.KafkaVersion, pool, log
+	cfg.Hooks = pipeline.ComposeHooks(hooks, cfg.Hooks)
+	p, err := pipeline.New(cfg)
 	if err != nil {
 		return err
 	}
@@ -487,9 +523,15 @@ func cutLast(s, sep string) (before, after string, found bool) {
 	return s, "", false
 }
 
-// publishBench writes payloads to topic, keyed by order id, through an
-// idempotent producer; progress reports how far it got.
+// publishBench writes payloads to topic, each keyed by its index (as its
+// order id is), through an idempotent producer; progress reports how far it
+// got.
 func publishBench(brokers []string, version sarama.KafkaVersion, topic string, payloads [][]byte, progress func(int)) error {
+	return publishKeyed(brokers, version, topic, payloads, strconv.Itoa, progress)
+}
+
+// publishKeyed is publishBench with the i-th payload keyed key(i).
+func publishKeyed(brokers []string, version sarama.KafkaVersion, topic string, payloads [][]byte, key func(int) string, progress func(int)) error {
 	cfg := pipeline.PublisherSaramaConfig(version)
 	cfg.Producer.Compression = sarama.CompressionNone
 	producer, err := sarama.NewSyncProducer(brokers, cfg)
@@ -501,7 +543,7 @@ func publishBench(brokers []string, version sarama.KafkaVersion, topic string, p
 	for i := 0; i < len(payloads); i += chunk {
 		var msgs []*sarama.ProducerMessage
 		for j, p := range payloads[i:min(i+chunk, len(payloads))] {
-			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(i + j)), Value: sarama.ByteEncoder(p)})
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key(i + j)), Value: sarama.ByteEncoder(p)})
 		}
 		if err := producer.SendMessages(msgs); err != nil {
 			return fmt.Errorf("publish to %s: %w", topic, err)

@@ -27,28 +27,30 @@ import (
 	"github.com/once-dev/once/internal/progress"
 	"github.com/once-dev/once/pipeline"
 	"github.com/once-dev/once/retention"
+	"github.com/once-dev/once/schema"
 )
 
 type benchCmd struct {
-	DB           dbSettings `embed:""`
-	Brokers      []string   `name:"kafka-brokers" env:"KAFKA_BROKERS" required:"" sep:"," help:"Kafka bootstrap addresses, host:port, comma-separated."`
-	KafkaVersion string     `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
-	Events       int        `name:"events" default:"200000" help:"Events each variant of the main table processes."`
-	Partitions   int32      `name:"partitions" default:"12" help:"Partitions of the main table's topic (and L2's concurrency)."`
-	BatchSize    int        `name:"batch-size" default:"100" help:"Events per transaction of PB and L2B."`
-	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once in PB (pipeline.Batch.Concurrency) and L2B."`
-	Sweep        []int32    `name:"sweep" default:"1,4,12,24" sep:"," help:"Partition counts of the sweep (P and PB); empty for none."`
-	SweepEvents  int        `name:"sweep-events" default:"20000" help:"Events per run of the sweep."`
-	PeerEvents   int        `name:"peer-events" default:"10000" help:"Events the Python peer reads (it runs at a few hundred a second)."`
-	PeerPython   string     `name:"peer-python" env:"ONCE_SEEDPEER_PYTHON" help:"Python with the peer's packages. Default: the venv that the seedpeer's setup.sh makes (.dev/seedpeer-venv)."`
-	PeerDir      string     `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: dev/seedpeer (the copy in this repository), unless the style guide's own folder lies beside the checkout."`
-	KeepTopics   bool       `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
-	Rounds       int        `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
-	Only         []string   `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer" help:"Run only these variants of the main table (default: all)."`
-	Rates        []int      `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
-	RateEvents   int        `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
-	Plot         string     `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png)."`
-	CPUProfile   string     `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
+	DB           dbSettings        `embed:""`
+	Brokers      []string          `name:"kafka-brokers" env:"KAFKA_BROKERS" required:"" sep:"," help:"Kafka bootstrap addresses, host:port, comma-separated."`
+	KafkaVersion string            `name:"kafka-version" env:"KAFKA_VERSION" default:"${kafka_version}" help:"The brokers' Kafka version."`
+	Events       int               `name:"events" default:"200000" help:"Events each variant of the main table processes."`
+	Partitions   int32             `name:"partitions" default:"12" help:"Partitions of the main table's topic (and L2's concurrency)."`
+	BatchSize    int               `name:"batch-size" default:"100" help:"Events per transaction of PB and L2B."`
+	BatchConc    int               `name:"batch-concurrency" default:"2" help:"Batches at once in PB (pipeline.Batch.Concurrency) and L2B."`
+	Sweep        []int32           `name:"sweep" default:"1,4,12,24" sep:"," help:"Partition counts of the sweep (P and PB); empty for none."`
+	SweepEvents  int               `name:"sweep-events" default:"20000" help:"Events per run of the sweep."`
+	PeerEvents   int               `name:"peer-events" default:"10000" help:"Events the Python peer reads (it runs at a few hundred a second)."`
+	PeerPython   string            `name:"peer-python" env:"ONCE_SEEDPEER_PYTHON" help:"Python with the peer's packages. Default: the venv that the seedpeer's setup.sh makes (.dev/seedpeer-venv)."`
+	PeerDir      string            `name:"peer-dir" env:"ONCE_SEEDPEER_DIR" help:"Folder of the style guide's consume.py. Default: dev/seedpeer (the copy in this repository), unless the style guide's own folder lies beside the checkout."`
+	KeepTopics   bool              `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
+	Rounds       int               `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
+	Only         []string          `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer,W,WB,WH" help:"Run only these variants (default: all; W, WB and WH with --handler-latency)."`
+	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
+	RateEvents   int               `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
+	Plot         string            `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png), and one of the waiting handler's events/s by N beside it, named with -wait before the extension."`
+	CPUProfile   string            `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
+	Wait         benchWaitSettings `embed:""`
 }
 
 func (b *benchCmd) Validate() error {
@@ -70,7 +72,7 @@ func (b *benchCmd) Validate() error {
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
 	}
-	return nil
+	return b.Wait.validate(b.Only)
 }
 
 // benchVariants are the rows of the main table, in order.
@@ -84,6 +86,13 @@ var benchVariants = []struct{ name, what string }{
 	{"PB", "the idempotent pipeline, batched (up to %d per transaction, %d at once; a batch leaves when a slot is free and no more events are on their way)"},
 	{"PBW", "the same, each batch waiting up to 5 ms to fill (WaitToFill: the group commit before it was adaptive)"},
 	{"Peer", "the style guide's Python consumer (aiokafka + asyncpg)"},
+}
+
+// mainVariants: whether any variant of the main table runs.
+func (b *benchCmd) mainVariants() bool {
+	return slices.ContainsFunc(benchVariants, func(v struct{ name, what string }) bool {
+		return len(b.Only) == 0 || slices.Contains(b.Only, v.name)
+	})
 }
 
 func (b *benchCmd) Run(ctx context.Context, d deps) error {
@@ -113,7 +122,10 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 
 	// One topic per partition count, each written once; every variant reads
 	// it with a consumer group of its own.
-	counts := map[int32]int{b.Partitions: b.Events}
+	counts := map[int32]int{}
+	if b.mainVariants() {
+		counts[b.Partitions] = b.Events
+	}
 	for _, p := range b.Sweep {
 		if _, ok := counts[p]; !ok {
 			counts[p] = b.SweepEvents
@@ -140,7 +152,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		measurements++
 		group := fmt.Sprintf("%s.%d.%s.p%d", run, measurements, strings.ToLower(variant), partitions)
 		groups = append(groups, group)
-		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions), started, b.profileArgs(variant, measurements)...)
+		f, err := b.child(ctx, d, variant, topicOf[partitions], group, events, int(partitions), max(int(partitions)+4, 8), started, b.profileArgs(variant, measurements)...)
 		if err != nil {
 			line.Done()
 			fmt.Fprintf(d.stderr, "bench %s: %v\n", variant, err)
@@ -213,11 +225,88 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 		}
 		offered = append(offered, row)
 	}
+	waited, err := b.measureWaiting(ctx, d, version, benchBook{run: run, started: started, topics: &topics, groups: &groups, measurements: &measurements, line: line})
+	if err != nil {
+		return err
+	}
 	line.Done()
 
 	w := d.stdout
-	fmt.Fprintf(w, "once bench: %d events on %d partitions, %d round(s) (sweep: %d events), batch %d; PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n\n",
-		b.Events, b.Partitions, b.Rounds, b.SweepEvents, b.BatchSize, server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
+	fast := len(main) > 0 || len(sweep) > 0 || len(offered) > 0
+	if fast {
+		fmt.Fprintf(w, "once bench: %d events on %d partitions, %d round(s) (sweep: %d events), batch %d; ", b.Events, b.Partitions, b.Rounds, b.SweepEvents, b.BatchSize)
+	} else {
+		fmt.Fprint(w, "once bench: ")
+	}
+	fmt.Fprintf(w, "PostgreSQL %s, fsync=%s, synchronous_commit=%s; Kafka %s at %s\n", server, fsync, syncCommit, b.KafkaVersion, strings.Join(b.Brokers, ","))
+	if len(main) > 0 {
+		b.printMain(w, main, spread)
+	}
+	if len(sweep) > 0 {
+		fmt.Fprintf(w, "\nsweep (%d events each; latencies in ms, from entering the chain to the commit)\n", b.SweepEvents)
+		t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(t, "partitions\tP events/s\tP p99\tPB events/s\tPB p99\tPB/P\t")
+		for _, r := range sweep {
+			x := "-"
+			if r.p.rate() > 0 && r.pb.rate() > 0 {
+				x = fmt.Sprintf("%.1fx", r.pb.rate()/r.p.rate())
+			}
+			fmt.Fprintf(t, "%d\t%.0f\t%.2f\t%.0f\t%.2f\t%s\t\n", r.partitions, r.p.rate(), r.p.P99ms, r.pb.rate(), r.pb.P99ms, x)
+		}
+		t.Flush()
+	}
+	if len(offered) > 0 {
+		fmt.Fprintf(w, "\noffered load (%d events each, produced at the rate while consumed; %d partitions; latencies in ms, from each event's production to its commit)\n", b.RateEvents, b.Partitions)
+		t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\t")
+		for _, r := range offered {
+			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
+		}
+		t.Flush()
+	}
+	if waited != nil {
+		waited.print(w)
+	}
+	if b.Plot != "" && (len(sweep) > 0 || len(offered) > 0) {
+		pts := benchPlot{}
+		for _, r := range sweep {
+			pts.sweep = append(pts.sweep, plotSweep{partitions: r.partitions, p: r.p, pb: r.pb})
+		}
+		for _, r := range offered {
+			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb})
+		}
+		if err := pts.save(b.Plot); err != nil {
+			return fmt.Errorf("--plot %s: %w", b.Plot, err)
+		}
+		fmt.Fprintf(w, "\npicture: %s\n", b.Plot)
+	}
+	if b.Plot != "" && waited != nil && len(waited.rows) > 0 {
+		path := waitPlotPath(b.Plot)
+		if err := waited.plot().save(path); err != nil {
+			return fmt.Errorf("--plot %s: %w", path, err)
+		}
+		fmt.Fprintf(w, "\npicture of the waiting handler: %s\n", path)
+	}
+	if fast {
+		fmt.Fprintln(w, "\nlatency: from a message's delivery to the group (P, PB: Hooks.OnDelivered), entering the handler (B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
+	}
+	if waited != nil {
+		fmt.Fprintln(w, "\nwaiting handler: latency from a message's delivery to its group (Hooks.OnDelivered; a message waiting for its key or a slot included) to its commit; attempt: the slots the order allows (min(N, pool), or the partitions) over events/s, how long each event held one; in handler, call: the mean time inside the handler, and of one call to the payment simulator (WB); CPU: the consumer's user + system time over its events.")
+	}
+	for _, f := range main {
+		if f.Skipped != "" && f.Variant != "Peer" {
+			return fmt.Errorf("bench: %s failed: %s", f.Variant, f.Skipped)
+		}
+	}
+	if waited != nil {
+		return waited.failed()
+	}
+	return nil
+}
+
+// printMain writes the main table and its ratios.
+func (b *benchCmd) printMain(w io.Writer, main map[string]benchFigures, spread map[string]string) {
+	fmt.Fprintln(w)
 	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(t, "variant\t events/s\t rounds\t p50 ms\t p99 ms\t p99.9 ms\t CPU us/event\t peak RSS MiB\twhat")
 	for _, v := range benchVariants {
@@ -262,49 +351,6 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	ratio("L2/L2B", "L2", "L2B")
 	ratio("P/Peer", "P", "Peer")
 	ratio("PB/Peer", "PB", "Peer")
-
-	if len(sweep) > 0 {
-		fmt.Fprintf(w, "\nsweep (%d events each; latencies in ms, from entering the chain to the commit)\n", b.SweepEvents)
-		t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(t, "partitions\tP events/s\tP p99\tPB events/s\tPB p99\tPB/P\t")
-		for _, r := range sweep {
-			x := "-"
-			if r.p.rate() > 0 && r.pb.rate() > 0 {
-				x = fmt.Sprintf("%.1fx", r.pb.rate()/r.p.rate())
-			}
-			fmt.Fprintf(t, "%d\t%.0f\t%.2f\t%.0f\t%.2f\t%s\t\n", r.partitions, r.p.rate(), r.p.P99ms, r.pb.rate(), r.pb.P99ms, x)
-		}
-		t.Flush()
-	}
-	if len(offered) > 0 {
-		fmt.Fprintf(w, "\noffered load (%d events each, produced at the rate while consumed; %d partitions; latencies in ms, from each event's production to its commit)\n", b.RateEvents, b.Partitions)
-		t = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\t")
-		for _, r := range offered {
-			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
-		}
-		t.Flush()
-	}
-	if b.Plot != "" {
-		pts := benchPlot{}
-		for _, r := range sweep {
-			pts.sweep = append(pts.sweep, plotSweep{partitions: r.partitions, p: r.p, pb: r.pb})
-		}
-		for _, r := range offered {
-			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb})
-		}
-		if err := pts.save(b.Plot); err != nil {
-			return fmt.Errorf("--plot %s: %w", b.Plot, err)
-		}
-		fmt.Fprintf(w, "\npicture: %s\n", b.Plot)
-	}
-	fmt.Fprintln(w, "\nlatency: from a message's delivery to the group (P, PB: Hooks.OnDelivered), entering the handler (B) or the claim (L2, L2B) to its commit; peak RSS: the measuring process's; CPU: its user + system time over its events.")
-	for _, f := range main {
-		if f.Skipped != "" && f.Variant != "Peer" {
-			return fmt.Errorf("bench: %s failed: %s", f.Variant, f.Skipped)
-		}
-	}
-	return nil
 }
 
 // The generated events' customers are the benchCustomerCount ids from
@@ -315,6 +361,9 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 const (
 	benchCustomers     = 8_000_000_000_000_000
 	benchCustomerCount = 10_000
+	// benchOrders bounds the generated orders' ids, from benchCustomers
+	// on (the i-th event's order is benchCustomers + i).
+	benchOrders = 1 << 40
 )
 
 var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
@@ -337,7 +386,7 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	childCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), since, append(extra, "--from-produce")...)
+		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), since, append(extra, "--from-produce")...)
 		done <- result{f, err}
 	}()
 	joined := time.Now().Add(time.Minute)
@@ -372,16 +421,18 @@ func (b *benchCmd) profileArgs(variant string, n int) []string {
 	return []string{"--cpuprofile", fmt.Sprintf("%s.%s.%d%s", strings.TrimSuffix(b.CPUProfile, ext), variant, n, ext)}
 }
 
-// child runs one measurement in a process of its own and adds its peak RSS.
-func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, partitions int, since time.Time, extra ...string) (benchFigures, error) {
+// child runs one measurement in a process of its own and adds its peak RSS:
+// concurrency is L2's goroutines (as many as the partitions) or a
+// key-ordered group's Concurrency, maxConns the pool's size.
+func (b *benchCmd) child(ctx context.Context, d deps, variant, topic, group string, events, concurrency, maxConns int, since time.Time, extra ...string) (benchFigures, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return benchFigures{}, err
 	}
 	args := []string{"bench-run", "--variant", variant, "--topic", topic, "--group", group,
-		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(partitions), "--batch-size", strconv.Itoa(b.BatchSize), "--batch-concurrency", strconv.Itoa(b.BatchConc),
+		"--events", strconv.Itoa(events), "--concurrency", strconv.Itoa(concurrency), "--batch-size", strconv.Itoa(b.BatchSize), "--batch-concurrency", strconv.Itoa(b.BatchConc),
 		"--kafka-brokers", strings.Join(b.Brokers, ","), "--kafka-version", b.KafkaVersion,
-		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(max(partitions+4, 8)),
+		"--database-url", b.DB.DatabaseURL, "--db-max-conns", strconv.Itoa(maxConns),
 		"--clear-after", "--claims-since", since.Format(time.RFC3339Nano)}
 	args = append(args, extra...)
 	cmd := exec.CommandContext(ctx, self, args...)
@@ -468,22 +519,48 @@ func (b *benchCmd) cleanup(ctx context.Context, pool *pgxpool.Pool, admin sarama
 		_ = admin.DeleteConsumerGroup(g)
 	}
 	clearBenchRows(ctx, pool, likeEscape(run)+".%", started, os.Stderr)
+	// What billing published to the run's topics (WB), forwarded or not:
+	// an event on its way to a topic deleted above would hold up the
+	// outbox forwarder of every pipeline on this database. Its payment
+	// rows went above; an attempt that committed after its measurement's
+	// own cleanup left its event here.
+	if !b.KeepTopics {
+		if _, err := pool.Exec(ctx, `DELETE FROM `+schema.Config{}.OutboxTable().Qualified+` WHERE payload->>'destination_topic' = ANY($1)`, topics); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: cleanup left rows behind: the outbox's events to %v: %v\n", topics, err)
+		}
+	}
 }
 
 // clearBenchRows deletes the claims of the consumer groups that match the
 // LIKE pattern groups, made since the run started (the bound spares the
 // older daily partitions of a big claim table a scan), and the rows the
-// generated events added. What it cannot delete it says.
+// generated events added: analytics', and billing's (WB), with its payment
+// events in the outbox and the simulator's charges in the groups' accounts.
+// What it cannot delete it says.
 func clearBenchRows(ctx context.Context, pool *pgxpool.Pool, groups string, since time.Time, log io.Writer) {
 	from := uuid.Nil
 	if !since.IsZero() {
 		from, _ = retention.DayRange(since)
 	}
+	// Billing's payments commit with their claims: the claims find them.
+	const claimed = `SELECT event_id FROM processed_event WHERE consumer_group LIKE $1 AND event_id >= $2`
+	accounts := likeEscape(benchAccount("")) + groups
 	for _, q := range []struct {
 		sql  string
 		args []any
 		peer bool // the Python peer's table, missing where it never ran
 	}{
+		// The outbox row is the forwarder's envelope around the event.
+		{`DELETE FROM ` + schema.Config{}.OutboxTable().Qualified + ` WHERE payload->>'uuid' IN (SELECT payment_event_id::text FROM billing.payments WHERE event_id IN (` + claimed + `))`, []any{groups, from}, false},
+		{`DELETE FROM billing.payments WHERE event_id IN (` + claimed + `)`, []any{groups, from}, false},
+		// An intent commits before the provider's call, alone: one whose
+		// attempt was cut off at the measurement's end has no claim. The
+		// generated orders' intents made since, whose payment (if any)
+		// was the bench's.
+		{`DELETE FROM billing.charge_intents i WHERE order_id >= $1 AND order_id < $2 AND created_at >= $3
+AND NOT EXISTS (SELECT FROM billing.payments p WHERE p.order_id = i.order_id)`, []any{benchCustomers, benchCustomers + benchOrders, since}, false},
+		{`DELETE FROM payment_provider.idempotency_key WHERE account LIKE $1`, []any{accounts}, false},
+		{`DELETE FROM payment_provider.charge WHERE account LIKE $1`, []any{accounts}, false},
 		{`DELETE FROM processed_event WHERE consumer_group LIKE $1 AND event_id >= $2`, []any{groups, from}, false},
 		{`DELETE FROM analytics.customer_daily_revenue WHERE customer_id >= $1 AND customer_id < $2 AND day = $3`, []any{benchCustomers, benchCustomers + benchCustomerCount, throughputDay}, false},
 		{`DELETE FROM seedpeer.processed_event WHERE consumer_group LIKE $1`, []any{groups}, true},

@@ -35,6 +35,8 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"inbox", "status", "6ba7b810-9dad-41d1-80b4-00c04fd430c8", "--database-url", "postgres://x@h/db"}, "--id-namespace"},
 		{[]string{"inbox", "status", "42", "--id-namespace", "inventory", "--scan-timeout", "0s", "--database-url", "postgres://x@h/db"}, "--scan-timeout"},
 		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--older-than", "48h"}, "--max-age"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--drain-timeout", "10s", "--revocation-grace", "10s"}, "--drain-timeout"},
+		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency", "-1"}, "--concurrency"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")
 		t.Setenv("DATABASE_URL", "")

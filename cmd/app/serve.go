@@ -39,7 +39,7 @@ type serveCmd struct {
 	AttemptTimeout  time.Duration `name:"attempt-timeout" env:"ONCE_ATTEMPT_TIMEOUT" default:"2m" help:"Bound on one attempt of a message, its handler included (provider calls and their retries); the message is then held and tried again."`
 	KafkaWait       time.Duration `name:"kafka-start-timeout" env:"ONCE_KAFKA_START_TIMEOUT" default:"2m" help:"At start-up, how long to wait for brokers that cannot be reached or are still starting (a restart, offsets loading, a leader election) before giving up; 0 gives up at once. Refused credentials or permissions stop start-up at once."`
 	DrainTimeout    time.Duration `name:"drain-timeout" env:"ONCE_DRAIN_TIMEOUT" default:"30s" help:"On SIGTERM, how long messages in flight may take to finish (and their offsets to be committed) before the process leaves anyway; what did not finish is delivered again."`
-	RevocationGrace time.Duration `name:"revocation-grace" env:"ONCE_REVOCATION_GRACE" default:"10s" help:"When this instance gives a partition up (a rebalance, a deploy, SIGTERM), how long the attempts under way may take to finish and commit before they are cancelled; cover one provider call. Below 60s (the group's rebalance timeout)."`
+	RevocationGrace time.Duration `name:"revocation-grace" env:"ONCE_REVOCATION_GRACE" help:"When this instance gives a partition up (a rebalance, a deploy, SIGTERM), how long the attempts under way may take to finish and commit before they are cancelled; cover one provider call. Below --drain-timeout and below 60s (the group's rebalance timeout); negative: none. Default: 10s, or half of --drain-timeout when that is shorter."`
 	HoldMax         time.Duration `name:"hold-max-backoff" env:"ONCE_HOLD_MAX_BACKOFF" default:"5s" help:"Longest wait between attempts of a message held because the environment failed (database, network, provider); such a message is never dead-lettered."`
 	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 
@@ -56,15 +56,6 @@ type serveCmd struct {
 	MaxClockSkew        time.Duration     `name:"max-clock-skew" env:"ONCE_MAX_CLOCK_SKEW" default:"5m" help:"Events whose id lies further in the future are dead-lettered."`
 	TooOld              map[string]string `name:"too-old" env:"ONCE_TOO_OLD" default:"billing=reject;analytics=reject" mapsep:";" help:"Per group, what to do with an event older than the dedup horizon: reject (dead-letter) or process."`
 	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
-}
-
-// grace is --revocation-grace as once.Config takes it: 0 there is the
-// default, and none is negative.
-func grace(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
 }
 
 func (s *serveCmd) Validate() error {
@@ -88,8 +79,9 @@ func (s *serveCmd) Validate() error {
 	if s.KafkaWait < 0 {
 		return fmt.Errorf("--kafka-start-timeout (ONCE_KAFKA_START_TIMEOUT) must not be negative")
 	}
-	if s.RevocationGrace < 0 || s.RevocationGrace >= time.Minute {
-		return fmt.Errorf("--revocation-grace (ONCE_REVOCATION_GRACE) %s: want 0 or more, below the group's rebalance timeout (60s)", s.RevocationGrace)
+	if s.RevocationGrace >= time.Minute || (s.RevocationGrace > 0 && s.RevocationGrace >= s.DrainTimeout) {
+		return fmt.Errorf("--revocation-grace (ONCE_REVOCATION_GRACE) %s: want it below --drain-timeout (ONCE_DRAIN_TIMEOUT) %s, which must cover it, and below the group's rebalance timeout (60s)",
+			s.RevocationGrace, s.DrainTimeout)
 	}
 	if s.DrainTimeout <= 0 {
 		return fmt.Errorf("--drain-timeout (ONCE_DRAIN_TIMEOUT) must be positive")
@@ -218,7 +210,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 			CommitMode: pipeline.CommitMode(s.CommitMode), CommitInterval: s.CommitInt, HoldMaxBackoff: s.HoldMax,
 			AttemptTimeout: s.AttemptTimeout, StatementTimeout: s.DB.StatementTimeout, TxStatementTimeout: s.DB.StatementTimeout,
 			SessionTimeout: s.SessionTimeout, HeartbeatInterval: s.HeartbeatInt, InstanceID: s.InstanceID,
-			DrainTimeout: s.DrainTimeout, RevocationGrace: grace(s.RevocationGrace),
+			DrainTimeout: s.DrainTimeout, RevocationGrace: s.RevocationGrace,
 			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, Logger: d.log,
 			Hooks: once.Hooks{
 				OnResult: func(r idempotency.Result) {

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
 )
 
@@ -486,33 +487,6 @@ func TestABatchWideEffectMarkHoldsEveryEvent(t *testing.T) {
 	}
 }
 
-// claimThief is the database as the middleware sees it, with a retention
-// pass that deletes a claim just before the batch reads the claims it did
-// not insert: the window between the two statements, opened on purpose.
-type claimThief struct {
-	*pgxpool.Pool
-	steal  func()
-	stolen atomic.Int64
-}
-
-func (c *claimThief) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
-	tx, err := c.Pool.BeginTx(ctx, opts)
-	return &thievingTx{Tx: tx, c: c}, err
-}
-
-type thievingTx struct {
-	pgx.Tx
-	c *claimThief
-}
-
-func (tx *thievingTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if strings.HasPrefix(sql, "SELECT event_id, payload_sha256") {
-		tx.c.steal()
-		tx.c.stolen.Add(1)
-	}
-	return tx.Tx.Query(ctx, sql, args...)
-}
-
 // Issue 28, item 2: a message a batch sends to run on its own is never
 // overtaken by the messages after it. On main the batch committed them and
 // the pipeline acknowledged them first, out of their partition's order.
@@ -526,17 +500,25 @@ func TestAMessageSentToRunAloneIsNeverOvertaken(t *testing.T) {
 		if _, err := newMiddleware(t, idempotency.Config{DB: pool, ConsumerGroup: group}).Middleware(recordEffect(group, new(atomic.Int64)))(first); err != nil {
 			t.Fatal(err)
 		}
-		thief := &claimThief{Pool: pool, steal: func() {
+		// A retention pass deletes the claim just before the batch reads
+		// the claims it did not insert: the window between the two
+		// statements, opened on purpose.
+		var stolen atomic.Int64
+		thief := &testenv.Intercepted{DB: pool, OnQuery: func(_ context.Context, sql string) {
+			if !strings.HasPrefix(sql, "SELECT event_id, payload_sha256") {
+				return
+			}
 			if _, err := pool.Exec(context.Background(), `DELETE FROM processed_event WHERE event_id = $1 AND consumer_group = $2`, redeliveredID, group); err != nil {
 				t.Error(err)
 			}
+			stolen.Add(1)
 		}}
 		m := newMiddleware(t, idempotency.Config{DB: thief, ConsumerGroup: group})
 		laterID, later := newEvent(t)
 		var runs atomic.Int64
 		errs := m.ProcessBatch(context.Background(), []*message.Message{redelivered, later}, recordBatch(group, &runs))
-		if thief.stolen.Load() != 1 {
-			t.Fatalf("the claim was taken away %d times; want once", thief.stolen.Load())
+		if stolen.Load() != 1 {
+			t.Fatalf("the claim was taken away %d times; want once", stolen.Load())
 		}
 		for i, err := range errs {
 			if !errors.Is(err, idempotency.ErrRunAlone) {
