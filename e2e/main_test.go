@@ -57,6 +57,8 @@ type result struct {
 	Refunds, DoubleRefunds int
 	Lost                   int
 	Pass                   bool
+	// Gaps: the pauses of a deploy row's partitions (rows 21 to 23).
+	Gaps *deployFigures
 }
 
 var (
@@ -84,17 +86,27 @@ func printResults() {
 	sort.SliceStable(results, func(i, j int) bool { return number(results[i].Scenario) < number(results[j].Scenario) })
 	var b strings.Builder
 	w := tabwriter.NewWriter(&b, 0, 0, 1, ' ', tabwriter.Debug)
-	fmt.Fprintln(w, "scenario\tevents\tdeliveries\tduplicates skipped\tkills\trestarts\trebalances\tcharges\trefunds\tdouble charges\tdouble refunds\tlost\tresult\t")
+	fmt.Fprintln(w, "scenario\tevents\tdeliveries\tduplicates skipped\tkills\trestarts\trebalances\tcharges\trefunds\tdouble charges\tdouble refunds\tlost\tlongest gap s\tpaused partition-s\tresult\t")
+	var figures []string
 	for _, r := range results {
 		verdict := "PASS"
 		if !r.Pass {
 			verdict = "FAIL"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t\n", r.Scenario, r.Events, r.Deliveries, r.Duplicates,
-			r.Kills, r.Restarts, r.Rebal, r.Charges, r.Refunds, r.DoubleCharges, r.DoubleRefunds, r.Lost, verdict)
+		longest, paused := "-", "-"
+		if r.Gaps != nil {
+			longest, paused = r.Gaps.columns()
+			figures = append(figures, r.Scenario+": "+r.Gaps.String())
+		}
+		fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t\n", r.Scenario, r.Events, r.Deliveries, r.Duplicates,
+			r.Kills, r.Restarts, r.Rebal, r.Charges, r.Refunds, r.DoubleCharges, r.DoubleRefunds, r.Lost, longest, paused, verdict)
 	}
 	w.Flush()
 	table := fmt.Sprintf("e2e results\n%s", b.String())
+	if len(figures) > 0 {
+		// The deploy rows' own figures (docs/e2e.md, "Gaps").
+		table += "\ndeploy rows: billing / analytics on order.confirmed\n" + strings.Join(figures, "\n") + "\n"
+	}
 	fmt.Fprintf(os.Stdout, "\n%s\n", table)
 	// go test hides a passing package's output; dev/test.sh shows this file.
 	if path := os.Getenv("ONCE_E2E_RESULTS"); path != "" {
