@@ -134,7 +134,15 @@ func (d *deploy) load() (stop func()) {
 			}
 		}
 	}()
-	return func() { close(done); <-stopped }
+	var once sync.Once
+	stop = func() { once.Do(func() { close(done); <-stopped }) }
+	// A row that fails while the load runs kills its processes in the
+	// scenario's cleanup; the load must stop first, or its next order, to
+	// a service gone, fails a finished test (a panic that ends the whole
+	// binary and hides the row's own failure). Cleanups run last added
+	// first: this one before the scenario's.
+	d.t.Cleanup(stop)
+	return stop
 }
 
 // fault marks the end of the row's steady load: its first fault comes now.
@@ -142,10 +150,10 @@ func (d *deploy) fault() { d.faultAt = time.Now() }
 
 // stable waits until the latest sessions of procs, in both groups, are of
 // one generation and own every partition of the confirmations between
-// them, each some; it returns billing's generation.
-func (d *deploy) stable(procs ...*proc) float64 {
+// them, each some; it returns each group's generation.
+func (d *deploy) stable(procs ...*proc) map[string]float64 {
 	d.t.Helper()
-	var gen float64
+	gen := map[string]float64{}
 	for _, g := range []string{billingGroup, analyticsGroup} {
 		group := d.group(g)
 		testenv.Eventually(d.t, 90*time.Second, fmt.Sprintf("%d instances share the partitions of %s", len(procs), group), func() bool {
@@ -158,15 +166,24 @@ func (d *deploy) stable(procs ...*proc) float64 {
 				owned += len(ss[len(ss)-1].partitions)
 				gens[ss[len(ss)-1].generation] = true
 			}
-			if len(gens) == 1 && g == billingGroup {
-				for g := range gens {
-					gen = g
+			if len(gens) == 1 {
+				for n := range gens {
+					gen[g] = n
 				}
 			}
 			return len(gens) == 1 && owned == int(d.parts)
 		})
 	}
 	return gen
+}
+
+// sessionTimeoutOf is the session timeout the row's instances run with.
+func sessionTimeoutOf(d *deploy) time.Duration {
+	timeout, err := time.ParseDuration(d.sessionTimeout)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	return timeout
 }
 
 // ready waits until p's /readyz answers 200 (every group joined), as
@@ -211,12 +228,12 @@ func (d *deploy) sessionBegan(p *proc, group string) time.Time {
 	return time.Time{}
 }
 
-// rebalances counts the generations of billing's sessions after gen, over
+// rebalances counts the generations of group's sessions after gen, over
 // every process of the row.
-func (d *deploy) rebalances(gen float64) int {
+func (d *deploy) rebalances(group string, gen float64) int {
 	seen := map[float64]bool{}
 	for _, p := range d.procs {
-		for _, sess := range d.sessions(p, d.group(billingGroup)) {
+		for _, sess := range d.sessions(p, d.group(group)) {
 			if sess.generation > gen {
 				seen[sess.generation] = true
 			}
@@ -242,12 +259,15 @@ func logLinesOf(p *proc, text string) []string {
 // A restart under the same identity within the session timeout is no
 // rebalance (static members), without one it is (the comparison staged
 // what it says): unless the row scales, finish checks which it was.
-func (d *deploy) finish(stopLoad func(), gen float64, kill *killed, scales bool) {
+func (d *deploy) finish(stopLoad func(), gen map[string]float64, kill *killed, scales bool) {
 	d.t.Helper()
 	stopLoad()
 	d.waitDrained(180 * time.Second)
 	f := d.measure(kill)
-	f.rebalances = d.rebalances(gen)
+	f.rebalances = d.rebalances(billingGroup, gen[billingGroup])
+	if n := d.rebalances(analyticsGroup, gen[analyticsGroup]); !scales && d.ms.static && n > 0 {
+		d.t.Errorf("%d rebalances of %s while static members restarted within the session timeout; want none", n, d.group(analyticsGroup))
+	}
 	d.rebal = f.rebalances
 	d.gaps = f
 	d.verify(180 * time.Second)
@@ -353,6 +373,7 @@ func TestScaleOutAndIn(t *testing.T) {
 			go func() { defer wg.Done(); p.stop(t) }()
 		}
 		wg.Wait()
+		left := time.Now()
 		if ms.static {
 			for _, g := range []string{billingGroup, analyticsGroup} {
 				rm := d.start("remove-member", "group", "remove-member", "--group", g, "--group-suffix", d.suffix,
@@ -364,6 +385,12 @@ func TestScaleOutAndIn(t *testing.T) {
 			}
 		}
 		d.stable(first)
+		// Removed, the static members' partitions move at once; not
+		// removed, only when their sessions expire: the remaining member
+		// must have them well before that.
+		if took, timeout := time.Since(left), sessionTimeoutOf(d); ms.static && took >= timeout/2 {
+			t.Errorf("the remaining member had every partition %s after the others left; removed from the groups, they should have moved within a heartbeat or two, not near the session timeout (%s)", took.Round(time.Millisecond), timeout)
+		}
 		time.Sleep(warmUp)
 		d.finish(stop, gen, nil, true)
 	})
@@ -532,9 +559,9 @@ func (d *deploy) measure(k *killed) *deployFigures {
 				out.longest = x
 			}
 			out.paused += max(0, x.length()-out.normal)
-			if k != nil && slices.Contains(k.partitions[g.name], x.partition) && x.to.After(k.at) && x.from.Before(k.rejoined[g.name]) {
-				out.killed = max(out.killed, x.length())
-			}
+		}
+		if k != nil {
+			out.killed = acrossTheKill(all, k.partitions[g.name], k.at)
 		}
 		for _, x := range waitingGaps(-1, evs) {
 			if x.length() > out.group.length() {
@@ -545,7 +572,7 @@ func (d *deploy) measure(k *killed) *deployFigures {
 	if k != nil {
 		f.restart = k.rejoined[billingGroup].Sub(k.at)
 		if len(k.partitions[billingGroup]) == 0 || f.billing.killed == 0 {
-			d.t.Fatalf("the killed member owned billing's partitions %v, none of which waited across the kill: nothing measured", k.partitions[billingGroup])
+			d.t.Fatalf("the killed member owned billing's partitions %v, none of which was claimed after the kill: nothing measured", k.partitions[billingGroup])
 		}
 	}
 	for _, c := range d.calls.snapshot() {
@@ -554,6 +581,29 @@ func (d *deploy) measure(k *killed) *deployFigures {
 		}
 	}
 	return f
+}
+
+// acrossTheKill is the longest, over the partitions the killed member
+// owned, of the gap that ended at the partition's first commit after the
+// kill: what an event of it waited for the restarted member (or for
+// whoever took the partition). That gap exists for every such partition
+// claimed after the kill, whenever its next event was published: one
+// published after the restarted member's session began waited too, if it
+// came before the member consumed.
+func acrossTheKill(gaps []gap, partitions []int32, kill time.Time) time.Duration {
+	var longest time.Duration
+	for _, p := range partitions {
+		var first *gap
+		for i, x := range gaps {
+			if x.partition == p && x.to.After(kill) && (first == nil || x.to.Before(first.to)) {
+				first = &gaps[i]
+			}
+		}
+		if first != nil {
+			longest = max(longest, first.length())
+		}
+	}
+	return longest
 }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2f", d.Seconds()) }

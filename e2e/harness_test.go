@@ -619,30 +619,56 @@ func (s *scenario) waitDrained(timeout time.Duration) {
 	s.t.Errorf("consumer lag still %d, %d dead letters waiting, after %s", lag, parked, timeout)
 }
 
-// waitForwarded waits until the topic holds as many messages as the
-// order service accepted orders. It accepts an order when the order's
-// outbox row commits, and its forwarder publishes the event after: until
-// then the groups' lag can be zero with events still on their way: row
-// 14's forwarder, held up by the leader's kill, publishes the last orders
-// 5 to 9 s after they were all accepted, and one run verified with 247 of
-// 300 events not yet in the topic (analytics applied more of them during
-// the checks than the consumers' logs had shown at their start).
+// waitForwarded waits until the topic holds every event the order
+// service accepted, by id. It accepts an order when the order's outbox
+// row commits, and its forwarder publishes the event after: until then
+// the groups' lag can be zero with events still on their way: row 14's
+// forwarder, held up by the leader's kill, publishes the last orders 5 to
+// 9 s after they were all accepted, and one run verified with 247 of 300
+// events not yet in the topic. A count of messages would not do: a
+// forwarder that retries a send the broker had written (a leader's kill)
+// publishes copies, which could make up for events still in the outbox.
 func (s *scenario) waitForwarded(deadline time.Time) {
 	s.t.Helper()
 	s.mu.Lock()
-	placed := int64(len(s.events))
+	want := make(map[string]bool, len(s.events))
+	for _, ev := range s.events {
+		want[ev.EventID().String()] = true
+	}
 	s.mu.Unlock()
-	var n int64
+	missing := len(want)
 	for {
-		if n = testenv.MessageCount(s.t, s.brokers, s.topic); n >= placed {
-			return
+		if testenv.MessageCount(s.t, s.brokers, s.topic) >= int64(len(want)) {
+			if missing = len(missingFrom(testenv.ReadTopic(s.t, s.brokers, s.topic), want)); missing == 0 {
+				return
+			}
 		}
 		if time.Now().After(deadline) {
-			s.t.Errorf("%s holds %d messages after the order service accepted %d orders: its outbox did not forward them", s.topic, n, placed)
+			s.t.Errorf("%s lacks %d of the %d events the order service accepted: its outbox did not forward them", s.topic, missing, len(want))
 			return
 		}
 		time.Sleep(250 * time.Millisecond)
 	}
+}
+
+// missingFrom are the ids of want that none of msgs carries.
+func missingFrom(msgs []*sarama.ConsumerMessage, want map[string]bool) []string {
+	seen := map[string]bool{}
+	for _, m := range msgs {
+		var ev struct {
+			ID string `json:"event_id"`
+		}
+		if json.Unmarshal(m.Value, &ev) == nil {
+			seen[ev.ID] = true
+		}
+	}
+	var out []string
+	for id := range want {
+		if !seen[id] {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // outcomes reads every consumer process's log: per group and outcome, the
