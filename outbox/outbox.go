@@ -34,11 +34,29 @@ const MetaKey = "partition_key"
 // Outbox is the consumer outbox of one set of tables (package schema
 // names them: schema.Config.Outbox and OutboxOffsets).
 type Outbox struct {
+	// IdleInTransactionTimeout is how long the server lets a forwarder's
+	// transaction sit idle between its statements (the transaction holds
+	// the outbox's lock while Kafka acknowledges what it read). A
+	// forwarder that vanished behind a network black hole cannot tell the
+	// server it gave up: without this bound its backend keeps the lock
+	// until TCP keepalive notices, two hours by default, and every other
+	// forwarder of the table waits all that time, so nothing from the
+	// outbox reaches Kafka. Set it above the longest Kafka publish of a
+	// poll: a transaction cut short publishes its rows again (consumers
+	// skip the copies by their event ids). Zero means
+	// [DefaultIdleInTransactionTimeout]; a negative value keeps the
+	// server's setting.
+	IdleInTransactionTimeout time.Duration
+
 	tables  schema.Config
 	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
 }
+
+// DefaultIdleInTransactionTimeout is the forwarder's bound on an idle
+// transaction (see [Outbox.IdleInTransactionTimeout]).
+const DefaultIdleInTransactionTimeout = time.Minute
 
 // New validates the names and returns the outbox, logging to logger (nil:
 // slog.Default()). It touches no database.
@@ -217,7 +235,7 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 }
 
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
-	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
+	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(idleBounded{db, o.idleLimit()}), watermillsql.SubscriberConfig{
 		ConsumerGroup:    forwarderGroup,
 		PollInterval:     50 * time.Millisecond,
 		SchemaAdapter:    o.schema,
@@ -228,6 +246,36 @@ func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscrib
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
+}
+
+func (o *Outbox) idleLimit() time.Duration {
+	if o.IdleInTransactionTimeout == 0 {
+		return DefaultIdleInTransactionTimeout
+	}
+	return o.IdleInTransactionTimeout
+}
+
+// idleBounded begins every transaction of the forwarder with the server's
+// idle_in_transaction_session_timeout set for that transaction only: behind
+// a transaction pooler a session setting would stay on a server connection
+// another client gets next, and the pooler refuses one in the start-up
+// packet.
+type idleBounded struct {
+	pgdb.DB
+	limit time.Duration
+}
+
+func (d idleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
+	tx, err := d.DB.BeginTx(ctx, opts)
+	if err != nil || d.limit < 0 {
+		return tx, err
+	}
+	if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`,
+		fmt.Sprint(max(d.limit.Milliseconds(), 1))); err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, fmt.Errorf("outbox: bound the forwarder's idle transaction: %w", err)
+	}
+	return tx, nil
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"regexp"
 	"slices"
 	"strconv"
@@ -458,7 +459,10 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 	if err != nil {
 		return err
 	}
-	for name, attached := range tables {
+	// Oldest first, in one order every pass: a pass cut short leaves the
+	// newest days, and a claim's wait on a detach is on its own day's.
+	for _, name := range slices.Sorted(maps.Keys(tables)) {
+		attached := tables[name]
 		day, err := time.Parse("20060102", n.daily.FindStringSubmatch(name)[1])
 		if err != nil {
 			continue
