@@ -100,6 +100,12 @@ type Config struct {
 	// an error naming it. Default: false, migrate what is pending (asking
 	// first: with nothing pending it creates nothing).
 	CheckOnly bool
+	// Needs is what the service's own handlers need of the databases: its
+	// migrations applied, the tables and privileges of each group. Start-up
+	// checks it, and on the library's tables the privileges every group's
+	// role needs, in either mode, and stops naming each thing missing.
+	// Default: the library's needs only.
+	Needs Needs
 
 	// Topics to consume, of any event types. At least one.
 	Topics []Binding
@@ -293,6 +299,12 @@ func (c Config) Validate() error {
 	if err := c.pipelineConfig(nil, nil).Validate(); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, c.Needs.validate()...)
+	for g := range c.Needs.Groups {
+		if !groups[g] {
+			errs = append(errs, fmt.Errorf("once: Needs.Groups names group %q, which no topic has", g))
+		}
+	}
 	if err := (retention.Config{Mode: c.RetentionMode, Retention: c.Retention, Tables: c.Tables, DB: placeholderDB{}}).Validate(); err != nil {
 		errs = append(errs, err)
 	}
@@ -384,6 +396,8 @@ type Service struct {
 
 // New checks cfg, connects to every database (a pooler's exec mode is
 // checked), migrates the library's tables or checks them (cfg.CheckOnly),
+// checks what the groups need of them (the privileges of the database
+// URLs' roles, and cfg.Needs: the service's migrations, tables, grants),
 // records the claims' retention or checks it against the one recorded,
 // creates the topics that are missing (those consumed, their dead-letter
 // topics and the Outgoing ones), connects to Kafka and checks the
@@ -407,6 +421,9 @@ func New(ctx context.Context, cfg Config) (_ *Service, err error) {
 		if err := s.prepare(ctx, db); err != nil {
 			return nil, err
 		}
+	}
+	if err := s.checkAllNeeds(ctx); err != nil {
+		return nil, err
 	}
 	if s.registry == nil {
 		s.registry = prometheus.NewRegistry()
