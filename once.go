@@ -183,6 +183,14 @@ type Config struct {
 	// pipeline.Config. Default: [pipeline.DefaultRevocationGrace].
 	RevocationGrace time.Duration
 
+	// BrokerTimeout is how long Kafka may not answer before /readyz
+	// ([Service.Ready]) and once_group_joined say the groups are not
+	// ready, and their lag (once_consumer_lag) is shown as unknown rather
+	// than as it last was: a consumer whose broker hangs sees no error.
+	// See pipeline.Config. At least 1s. Default:
+	// [pipeline.DefaultBrokerTimeout] (15s).
+	BrokerTimeout time.Duration
+
 	// Registry holds the service's metrics, served by [Service.Handler];
 	// register your own there too. Default: a registry of the service's,
 	// with the Go and process collectors.
@@ -237,6 +245,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.DrainTimeout == 0 {
 		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.BrokerTimeout == 0 {
+		c.BrokerTimeout = pipeline.DefaultBrokerTimeout
 	}
 	if c.WatchInterval == 0 {
 		c.WatchInterval = DefaultWatchInterval
@@ -339,7 +350,7 @@ func (c Config) pipelineConfig(db pgdb.DB, groupDBs map[string]pipeline.DB) pipe
 		CommitMode: c.CommitMode, CommitInterval: c.CommitInterval, HoldBackoff: c.HoldBackoff, HoldMaxBackoff: c.HoldMaxBackoff,
 		AttemptTimeout: c.AttemptTimeout, StatementTimeout: c.StatementTimeout, TxStatementTimeout: c.TxStatementTimeout,
 		SessionTimeout: c.SessionTimeout, HeartbeatInterval: c.HeartbeatInterval, InstanceID: c.InstanceID,
-		CloseTimeout: c.DrainTimeout, RevocationGrace: c.RevocationGrace,
+		CloseTimeout: c.DrainTimeout, RevocationGrace: c.RevocationGrace, BrokerTimeout: c.BrokerTimeout,
 		MaxEventAge: c.MaxEventAge, MaxClockSkew: c.MaxClockSkew,
 		Hooks: c.Hooks, Logger: c.Logger,
 	}

@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"time"
 
 	wmetrics "github.com/ThreeDotsLabs/watermill/components/metrics"
@@ -58,6 +59,14 @@ type Metrics struct {
 	watchErrors                       *prometheus.CounterVec
 	retentionPasses                   *prometheus.CounterVec
 	retentionLastSuccess              prometheus.Gauge
+
+	// lagMu guards lagSeries, the lag series this Metrics set (others may
+	// share the collector), and lagBusy, a lag read under way: a read of a
+	// broker that does not answer may take sarama's timeouts, and must
+	// hold up neither the other gauges nor a second read.
+	lagMu     sync.Mutex
+	lagSeries map[[3]string]bool
+	lagBusy   bool
 }
 
 // Buckets of the claim's phases: a claim takes about a millisecond on a
@@ -88,9 +97,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "outbox_forwarded_total",
 			Help: "Events of the consumer outbox that reached Kafka."}, []string{"topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag",
-			Help: "Messages not yet committed by the group: the partition's high watermark minus the group's committed offset, read from Kafka."}, append(tg, "partition")),
+			Help: "Messages not yet committed by the group: the partition's high watermark minus the group's committed offset, read from Kafka; no series while it cannot be read (unknown)."}, append(tg, "partition")),
 		joined: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_joined",
-			Help: "1 once the group has joined its consumer group in this process."}, tg),
+			Help: "1 once the group has joined its consumer group in this process, while Kafka answers it (within the broker timeout)."}, tg),
 		assigned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_partitions",
 			Help: "Partitions assigned to this process in the group's current session."}, tg),
 		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "held_messages",
@@ -256,8 +265,11 @@ type Stores []Store
 
 // Watch refreshes the gauges that are read rather than counted (consumer
 // lag from Kafka, the pipeline's status, the claim tables and parked dead
-// letters) every interval until ctx ends. A failed read keeps the last
-// values and counts once_watch_errors_total.
+// letters) every interval until ctx ends. A failed read counts
+// once_watch_errors_total; a failed read of the claim tables keeps their
+// last values, while the lag of a partition that could not be read has no
+// series until it can (unknown, not the last value: a lag that stood still
+// while the broker hung would look like a consumer keeping up).
 func (m *Metrics) Watch(ctx context.Context, p *pipeline.Pipeline, stores Stores, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -271,7 +283,58 @@ func (m *Metrics) Watch(ctx context.Context, p *pipeline.Pipeline, stores Stores
 	}
 }
 
+// refreshLag reads the lag on its own goroutine, one read at a time: while
+// one is under way, the series it would set stay as they are until it
+// returns, unless the pipeline reports Kafka silent, which removes them at
+// once. Watch does not wait for a read under way when it ends (a stop must
+// not wait on a broker that does not answer); the read sets nothing then.
+func (m *Metrics) refreshLag(ctx context.Context, p *pipeline.Pipeline) {
+	m.lagMu.Lock()
+	defer m.lagMu.Unlock()
+	silent := false
+	for _, s := range p.Status() {
+		silent = silent || s.KafkaSilent > 0
+	}
+	if silent {
+		m.setLagLocked(nil)
+	}
+	if m.lagBusy {
+		return
+	}
+	m.lagBusy = true
+	go func() {
+		lags, err := p.Lag(ctx)
+		if err != nil && ctx.Err() == nil {
+			m.watchErrors.WithLabelValues("kafka").Inc()
+		}
+		m.lagMu.Lock()
+		defer m.lagMu.Unlock()
+		m.lagBusy = false
+		if ctx.Err() == nil {
+			m.setLagLocked(lags)
+		}
+	}()
+}
+
+// setLagLocked sets the lag series of lags and removes those this Metrics
+// set before that lags lacks. Caller holds lagMu.
+func (m *Metrics) setLagLocked(lags []pipeline.PartitionLag) {
+	now := make(map[[3]string]bool, len(lags))
+	for _, l := range lags {
+		k := [3]string{l.Topic, l.Group, strconv.Itoa(int(l.Partition))}
+		now[k] = true
+		m.lag.WithLabelValues(k[0], k[1], k[2]).Set(float64(l.Lag))
+	}
+	for k := range m.lagSeries {
+		if !now[k] {
+			m.lag.DeleteLabelValues(k[0], k[1], k[2])
+		}
+	}
+	m.lagSeries = now
+}
+
 func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stores, timeout time.Duration) {
+	m.refreshLag(ctx, p)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for _, s := range p.Status() {
@@ -286,13 +349,6 @@ func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stor
 		m.heldKeys.WithLabelValues(s.Topic, s.Group).Set(float64(s.HeldKeys))
 		m.pinned.WithLabelValues(s.Topic, s.Group).Set(s.Pinned.Seconds())
 		m.windowFull.WithLabelValues(s.Topic, s.Group).Set(float64(s.WindowFull))
-	}
-	lags, err := p.Lag(ctx)
-	if err != nil {
-		m.watchErrors.WithLabelValues("kafka").Inc()
-	}
-	for _, l := range lags {
-		m.lag.WithLabelValues(l.Topic, l.Group, strconv.Itoa(int(l.Partition))).Set(float64(l.Lag))
 	}
 	for _, s := range stores {
 		if err := m.readStore(ctx, s); err != nil {
