@@ -207,11 +207,12 @@ func currentUser(ctx context.Context, db pgdb.DB) string {
 // privilege is asked of the role as it is (has_*_privilege of
 // current_user): one inherited from a group role counts.
 const (
-	checkSchemaSQL = `SELECT
-  EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
-  has_schema_privilege($1, 'USAGE'),
-  (SELECT coalesce(string_agg(quote_ident(rolname), ', ' ORDER BY rolname), '') FROM pg_roles
-   WHERE NOT rolcanlogin AND NOT rolsuper AND rolname !~ '^pg_' AND has_schema_privilege(oid, $1, 'USAGE'))`
+	// By the schema's oid: a schema that does not exist is no error here
+	// (the privilege functions are strict, NULL in, NULL out).
+	checkSchemaSQL = `SELECT n.oid IS NOT NULL, coalesce(has_schema_privilege(n.oid, 'USAGE'), false),
+  (SELECT coalesce(string_agg(quote_ident(r.rolname), ', ' ORDER BY r.rolname), '') FROM pg_roles r
+   WHERE NOT r.rolcanlogin AND NOT r.rolsuper AND r.rolname !~ '^pg_' AND has_schema_privilege(r.oid, n.oid, 'USAGE'))
+FROM (SELECT $1::text AS name) w LEFT JOIN pg_namespace n ON n.nspname = w.name`
 	checkTableSQL = `SELECT coalesce(array_agg(p ORDER BY ord), '{}') FROM unnest($2::text[]) WITH ORDINALITY AS w(p, ord)
 WHERE NOT has_table_privilege($1::regclass, p)`
 	holdersSQL = `SELECT coalesce(string_agg(quote_ident(rolname), ', ' ORDER BY rolname), '') FROM pg_roles r
