@@ -49,9 +49,10 @@ type Needs struct {
 
 // Grant is privileges a group's handlers need on one table.
 type Grant struct {
-	// Table, schema-qualified: billing.payments.
+	// Table, schema-qualified: billing.payments. Required.
 	Table string
-	// Privileges: any of SELECT, INSERT, UPDATE, DELETE.
+	// Privileges: any of SELECT, INSERT, UPDATE, DELETE (an INSERT ... ON
+	// CONFLICT DO UPDATE takes UPDATE too). Required.
 	Privileges []string
 }
 
