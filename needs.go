@@ -47,7 +47,9 @@ type Needs struct {
 	Groups map[string][]Grant
 }
 
-// Grant is privileges a group's handlers need on one table.
+// Grant is privileges a group's handlers need on one table. With INSERT,
+// USAGE on the sequences its columns' defaults take (a serial column's) is
+// checked too.
 type Grant struct {
 	// Table, schema-qualified: billing.payments. Required.
 	Table string
@@ -219,6 +221,24 @@ WHERE NOT has_table_privilege($1::regclass, p)`
 	holdersSQL = `SELECT coalesce(string_agg(quote_ident(rolname), ', ' ORDER BY rolname), '') FROM pg_roles r
 WHERE NOT rolcanlogin AND NOT rolsuper AND rolname !~ '^pg_'
   AND (SELECT bool_and(has_table_privilege(r.oid, $1::regclass, p)) FROM unnest($2::text[]) AS w(p))`
+	// The sequences an INSERT into the table calls nextval on: those its
+	// columns' defaults depend on (a serial or bigserial column's, such as
+	// the dead letters' id and the outbox's offset), which the role may not
+	// use; and group roles that may use them all. An identity column's
+	// sequence is not among them: PostgreSQL takes its next value without
+	// asking the inserting role.
+	// (Materialized: has_sequence_privilege fails on what is not a
+	// sequence, and the planner may ask it before the join would drop it.)
+	checkSequencesSQL = `WITH seqs AS MATERIALIZED (
+  SELECT DISTINCT s.oid AS seq FROM pg_attrdef ad
+  JOIN pg_depend d ON d.classid = 'pg_attrdef'::regclass AND d.objid = ad.oid AND d.refclassid = 'pg_class'::regclass
+  JOIN pg_class s ON s.oid = d.refobjid AND s.relkind = 'S'
+  WHERE ad.adrelid = $1::regclass),
+missing AS MATERIALIZED (SELECT seq FROM seqs WHERE NOT has_sequence_privilege(seq, 'USAGE'))
+SELECT coalesce((SELECT array_agg(seq::regclass::text ORDER BY seq::regclass::text) FROM missing), '{}'),
+  (SELECT coalesce(string_agg(quote_ident(r.rolname), ', ' ORDER BY r.rolname), '') FROM pg_roles r
+   WHERE NOT r.rolcanlogin AND NOT r.rolsuper AND r.rolname !~ '^pg_'
+     AND NOT EXISTS (SELECT FROM missing WHERE NOT has_sequence_privilege(r.oid, missing.seq, 'USAGE')))`
 )
 
 // checkGrants checks that every table of grants exists in db and that the
@@ -269,6 +289,19 @@ func checkGrants(ctx context.Context, db pgdb.DB, group string, grants []Grant) 
 		if !exists {
 			fail("table %s is missing: migrate the database as the tables' owner first", g.Table)
 			continue
+		}
+		if slices.Contains(g.Privileges, "INSERT") {
+			// Table grants alone pass this check, then every insert fails
+			// "permission denied for sequence": a dead letter cannot be
+			// parked (its partition held), no outbox event written.
+			var seqs []string
+			var holders string
+			if err := db.QueryRow(ctx, checkSequencesSQL, g.Table).Scan(&seqs, &holders); err != nil {
+				fail("check the sequences of %s: %v", g.Table, err)
+			} else if len(seqs) > 0 {
+				fail("role %s lacks USAGE on sequence %s, which inserts into table %s take (%s)", role, strings.Join(seqs, ", "), g.Table,
+					hint(holders, "GRANT USAGE ON SEQUENCE "+strings.Join(seqs, ", ")+" TO "+role))
+			}
 		}
 		var missing []string
 		if err := db.QueryRow(ctx, checkTableSQL, g.Table, g.Privileges).Scan(&missing); err != nil {
