@@ -30,8 +30,8 @@ func metadataAnswered(addr string, timeout time.Duration) error {
 
 // A broker that neither answers nor fails (paused: hung, or cut off) makes
 // serve not ready within --broker-timeout: /readyz 503 naming it,
-// once_group_joined 0, the lag unknown (no once_consumer_lag series, the
-// console's "unknown") rather than frozen at its last value; all three come
+// once_group_joined 0, the lag unknown (no once_consumer_lag series,
+// once_consumer_lag_unknown 1, the console's "unknown") rather than frozen at its last value; all three come
 // back once the broker answers again.
 func TestReadinessFollowsASilentBroker(t *testing.T) {
 	testenv.RequireDevService(t, "kafka")
@@ -52,6 +52,9 @@ func TestReadinessFollowsASilentBroker(t *testing.T) {
 	}()
 	joined := func(v int) string { return fmt.Sprintf(`once_group_joined{group=%q,topic=%q} %d`, group, topic, v) }
 	lagSeries := fmt.Sprintf(`once_consumer_lag{group=%q,partition="0",topic=%q}`, group, topic)
+	lagUnknown := func(v int) string {
+		return fmt.Sprintf(`once_consumer_lag_unknown{group=%q,partition="0",topic=%q} %d`, group, topic, v)
+	}
 	metrics := func() string { _, body := get("http://" + ops + "/metrics"); return body }
 	atWork := func(within time.Duration) {
 		t.Helper()
@@ -59,7 +62,8 @@ func TestReadinessFollowsASilentBroker(t *testing.T) {
 			code, _ := get("http://" + ops + "/readyz")
 			m := metrics()
 			_, page := get("http://" + ops + "/console/groups")
-			return code == 200 && strings.Contains(m, joined(1)) && strings.Contains(m, lagSeries) && strings.Contains(page, "Lag (total ")
+			return code == 200 && strings.Contains(m, joined(1)) && strings.Contains(m, lagSeries) && strings.Contains(m, lagUnknown(0)) &&
+				strings.Contains(page, "Lag (total ")
 		})
 	}
 	atWork(60 * time.Second)
@@ -90,7 +94,7 @@ func TestReadinessFollowsASilentBroker(t *testing.T) {
 		_, page := get("http://" + ops + "/console/groups")
 		readyz = body
 		return code == 503 && strings.Contains(body, "kafka has not answered") &&
-			strings.Contains(m, joined(0)) && !strings.Contains(m, lagSeries) &&
+			strings.Contains(m, joined(0)) && !strings.Contains(m, lagSeries) && strings.Contains(m, lagUnknown(1)) &&
 			strings.Contains(page, "Lag (unknown)") && strings.Contains(page, "Kafka has not answered for")
 	})
 	t.Logf("%s after the pause: %s", time.Since(paused).Round(100*time.Millisecond), strings.TrimSpace(readyz))
