@@ -140,9 +140,13 @@ type Config struct {
 	// [Pipeline.Status] reports its groups not joined (a readiness check
 	// then fails) and [Pipeline.Lag] returns [ErrKafkaSilent] instead of a
 	// lag that stands still: a consumer whose broker hangs keeps its
-	// session and sees no error. A probe asks for the consumed topics'
-	// metadata every third of it, each ask bounded by that third. At
-	// least 1s. Default: [DefaultBrokerTimeout].
+	// session and sees no error. Every third of it a probe asks a broker
+	// for the consumed topics' metadata and each group's coordinator, then
+	// asks those coordinators and the leaders of the partitions assigned
+	// to this process: a group whose coordinator or leader is cut off is
+	// not ready, though another broker answers. Each request waits at most
+	// that third, and a hung broker holds up none of the others. At least
+	// 1s. Default: [DefaultBrokerTimeout].
 	BrokerTimeout time.Duration
 	// RevocationGrace is how long the attempts under way of a partition
 	// this process gives up (a rebalance, or the stop) may go on to finish
