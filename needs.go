@@ -299,7 +299,7 @@ func checkGrants(ctx context.Context, db pgdb.DB, group string, grants []Grant) 
 			if err := db.QueryRow(ctx, checkSequencesSQL, g.Table).Scan(&seqs, &holders); err != nil {
 				fail("check the sequences of %s: %v", g.Table, err)
 			} else if len(seqs) > 0 {
-				fail("role %s lacks USAGE on sequence %s, which inserts into table %s take (%s)", role, strings.Join(seqs, ", "), g.Table,
+				fail("role %s lacks USAGE on sequence %s, which an insert into table %s takes its next value from (%s)", role, strings.Join(seqs, ", "), g.Table,
 					hint(holders, "GRANT USAGE ON SEQUENCE "+strings.Join(seqs, ", ")+" TO "+role))
 			}
 		}

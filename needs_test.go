@@ -157,9 +157,9 @@ func TestStartUpNamesTheSequencesInsertsTake(t *testing.T) {
 	}
 	t.Logf("refused: %v", err)
 	for _, want := range []string{
-		"role " + role + " lacks USAGE on sequence " + letterSeq + ", which inserts into table " + tables.DeadLettersTable().Qualified + " take (GRANT USAGE ON SEQUENCE " + letterSeq + " TO " + role + ")",
-		"lacks USAGE on sequence " + outboxSeq + ", which inserts into table " + tables.OutboxTable().Qualified,
-		"lacks USAGE on sequence " + ownSeq + ", which inserts into table " + own + ".serials",
+		"role " + role + " lacks USAGE on sequence " + letterSeq + ", which an insert into table " + tables.DeadLettersTable().Qualified + " takes its next value from (GRANT USAGE ON SEQUENCE " + letterSeq + " TO " + role + ")",
+		"lacks USAGE on sequence " + outboxSeq + ", which an insert into table " + tables.OutboxTable().Qualified,
+		"lacks USAGE on sequence " + ownSeq + ", which an insert into table " + own + ".serials",
 	} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("the refusal does not say %q", want)
