@@ -697,11 +697,15 @@ type groupsData struct {
 	Holds      []holdRow
 	Lag        []lagRow
 	TotalLag   int64
+	// LagUnknown: some or all of the lag could not be read from Kafka
+	// (the page's error says why); what could not is unknown, not 0.
+	LagUnknown bool
 }
 
 type groupRow struct {
 	Topic, Group string
 	Joined       bool
+	KafkaSilent  time.Duration // Kafka has not answered for this long (then not Joined)
 	Partitions   string
 	Held         int
 	OldestHeld   time.Duration
@@ -750,7 +754,7 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		if order == "" {
 			order = "batched"
 		}
-		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld,
+		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, KafkaSilent: s.KafkaSilent, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld,
 			Order: order, KeyOrdered: s.Order == pipeline.OrderKey, HeldKeys: s.HeldKeys, Pinned: s.Pinned, WindowFull: s.WindowFull})
 	}
 	for _, h := range c.cfg.Groups.Holds() {
@@ -775,6 +779,7 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		d.TotalLag += l.Lag
 	}
 	if err != nil {
+		d.LagUnknown = true
 		err = fmt.Errorf("lag from Kafka: %w", err)
 	}
 	c.render(w, r, http.StatusOK, "groups", "Groups", d, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"embed"
 	"fmt"
+	"io/fs"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -16,6 +17,10 @@ import (
 
 //go:embed *.sql
 var files embed.FS
+
+// FS holds the reference service's migrations (goose's .sql files at its
+// root), for a start-up that checks none is pending (once.Needs).
+var FS fs.FS = files
 
 // Up applies the library's tables (package schema, in public) and then every
 // pending migration of the reference service, and returns the versions of

@@ -211,7 +211,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 			AttemptTimeout: s.AttemptTimeout, StatementTimeout: s.DB.StatementTimeout, TxStatementTimeout: s.DB.StatementTimeout,
 			SessionTimeout: s.SessionTimeout, HeartbeatInterval: s.HeartbeatInt, InstanceID: s.InstanceID,
 			DrainTimeout: s.DrainTimeout, RevocationGrace: s.RevocationGrace,
-			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, Logger: d.log,
+			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, BrokerTimeout: s.Ops.BrokerTimeout, Logger: d.log,
 			Hooks: once.Hooks{
 				OnResult: func(r idempotency.Result) {
 					d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
