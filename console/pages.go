@@ -216,7 +216,12 @@ type letterView struct {
 	EventTime             time.Time
 	Age, LetterAge        time.Duration
 	InWindow              bool
-	Link                  template.URL
+	// Verdict: its group recorded its verdict with the event's claim
+	// (dlq.HeaderVerdict), which a replay cannot change. Shown to anyone:
+	// the pipeline writes the header, with one value, and it tells nothing
+	// of the event.
+	Verdict bool
+	Link    template.URL
 	// Where the letter's message was consumed: its source partition and
 	// offset, from the library's own headers.
 	SourcePartition, SourceOffset string
@@ -273,6 +278,7 @@ func (c *Console) view(e dlq.Entry, lastError string, now time.Time, hidden stri
 		Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt),
 		SourcePartition: shownNumber(e.Headers[pipeline.MetaKafkaPartition]), SourceOffset: shownNumber(e.Headers[pipeline.MetaKafkaOffset])}
 	v.InWindow = c.cfg.ReplayWindow == 0 || v.Age <= c.cfg.ReplayWindow
+	v.Verdict = e.Verdict
 	v.Link = template.URL(url.Values{"topic": {e.DLQTopic}, "partition": {strconv.Itoa(int(e.Partition))}, "offset": {strconv.FormatInt(e.Offset, 10)}}.Encode())
 	if hidden != "" {
 		v.Hidden = hidden
@@ -483,7 +489,11 @@ type confirmData struct {
 	Letters  []letterView // at most Limit of them
 	InWindow int64
 	Stale    int64
-	NotYet   int64  // partitions a filtered replay stops in, at a letter too young
+	NotYet   int64 // partitions a filtered replay stops in, at a letter too young
+	// Verdicts is how many of the letters the replay sends are of events
+	// whose group recorded its verdict: for that group the replay is a
+	// duplicate. The form then asks the person to say they know.
+	Verdicts int64
 	Plan     string // the confirmation's id, which its form posts
 	// After the replay:
 	ID     string // the report's, for the inbox's links
@@ -502,7 +512,14 @@ type plan struct {
 	offset int64
 	filter filterForm
 	until  map[dlq.Position]int64
+	// verdicts: letters of recorded verdicts among those it sends; its
+	// POST must say the person knows (knowsDuplicate), or it is refused.
+	verdicts int64
 }
+
+// knowsDuplicate is the confirmation's box a person ticks to replay
+// letters whose group recorded its verdict.
+const knowsDuplicate = "duplicate"
 
 // maxKept is how many confirmations and reports each are kept.
 const maxKept = 100
@@ -563,10 +580,13 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		d := confirmData{One: &v}
 		if v.InWindow {
 			d.InWindow = 1
+			if v.Verdict {
+				d.Verdicts = 1
+			}
 		} else {
 			d.Stale = 1
 		}
-		d.Plan, err = c.plans.put(plan{one: &dlq.Position{Topic: rt.DLQTopic, Partition: p}, offset: o})
+		d.Plan, err = c.plans.put(plan{one: &dlq.Position{Topic: rt.DLQTopic, Partition: p}, offset: o, verdicts: d.Verdicts})
 		c.render(w, r, http.StatusOK, "confirm", "Replay one letter?", d, err)
 		return
 	}
@@ -586,6 +606,9 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	// replay with this filter sent are not sent again).
 	d := confirmData{Filter: ff}
 	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
+		if o == dlq.Replayed && e.Verdict {
+			d.Verdicts++
+		}
 		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
 			d.Letters = append(d.Letters, c.view(e, "", now, hidden, false))
 		}
@@ -596,7 +619,7 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 		return
 	}
-	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends})
+	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends, verdicts: d.Verdicts})
 	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 }
 
@@ -625,6 +648,13 @@ func (c *Console) databaseClocks(r *http.Request) map[string]time.Time {
 }
 
 func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
+	// Looked at before it is taken: a form posted without the box ticked
+	// leaves its plan for the form posted again with it.
+	if pl, ok := c.plans.get(r.PostFormValue("plan")); ok && pl.verdicts > 0 && r.PostFormValue(knowsDuplicate) != "yes" {
+		c.fail(w, r, http.StatusBadRequest, fmt.Sprintf("Not replayed: %d of these letters are of events whose group recorded its verdict with the event's claim, "+
+			"which a replay cannot change (for that group it is a duplicate). Go back and tick the box that says you know, or replay without them.", pl.verdicts))
+		return
+	}
 	pl, ok := c.plans.take(r.PostFormValue("plan"))
 	if !ok {
 		c.fail(w, r, http.StatusConflict, "This confirmation was used already, or is no longer kept: a replay is sent once per confirmation. Open the letters and confirm again.")
@@ -646,7 +676,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 			v := c.view(e, "", now, hiddenInReport, false)
 			d.One = &v
 		}
-		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID,
+		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID, "verdicts", pl.verdicts,
 			"replayed", d.Report.Replayed, "skipped_stale", d.Report.SkippedStale, "remote", r.RemoteAddr, "err", err)
 	} else {
 		f, ferr := pl.filter.filter()
@@ -660,7 +690,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 				d.Letters = append(d.Letters, c.view(e, "", now, hiddenInReport, false))
 			}
 		}), c.cfg.Routes)
-		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed,
+		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed, "verdicts", pl.verdicts,
 			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
 	}
 	if err != nil {

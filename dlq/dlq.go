@@ -37,6 +37,19 @@ const HeaderReplayedFrom = "dlq_replayed_from"
 // window judges, comes from then.
 const HeaderEventID = "once_event_id"
 
+// HeaderVerdict, with the value [VerdictRecorded], is on the letters of
+// events whose group recorded its own verdict with the event's claim
+// (idempotency.RejectAfterCommit: a charge the provider declined, marked
+// failed). A replay cannot change that verdict: the group finds the claim
+// and skips the replay as a duplicate, and with the claim forgotten its
+// handler meets its own record and dead-letters the event again. Letters
+// without it (a payload that does not decode, a handler's permanent error
+// rolled back) left nothing of the event behind, and a replay runs it anew.
+const HeaderVerdict = "once_verdict"
+
+// VerdictRecorded is [HeaderVerdict]'s value.
+const VerdictRecorded = "recorded"
+
 // Config configures [Replay].
 type Config struct {
 	Brokers []string
@@ -124,6 +137,7 @@ var dropped = map[string]bool{
 	"kafka_key":                      true,
 	HeaderReplayedFrom:               true,
 	HeaderEventID:                    true, // the pipeline's reading of this delivery: it reads the replay afresh
+	HeaderVerdict:                    true,
 }
 
 // Replay republishes every dead letter not yet replayed, up to the end of the

@@ -408,7 +408,7 @@ func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, erro
 func (p Parked) Entry() Entry {
 	return Entry{DLQTopic: p.Topic, Partition: -1, Offset: -1, EventID: eventIDOf(p.Payload, p.Headers[HeaderEventID]),
 		Topic: p.Headers[middleware.PoisonedTopicKey], Group: p.Headers[middleware.PoisonedHandlerKey],
-		Reason: p.Headers[middleware.ReasonForPoisonedKey], EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
+		Reason: p.Headers[middleware.ReasonForPoisonedKey], Verdict: p.Headers[HeaderVerdict] == VerdictRecorded, EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
 		Payload: p.Payload, Headers: p.Headers}
 }
 

@@ -223,7 +223,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 			}
 			var rejected *idempotency.RejectedError
 			if !errors.As(err, &rejected) || !rejected.DeadLettered {
-				letter := p.letter(t, g, msg, err)
+				letter := p.letter(t, g, msg, err, rejected != nil)
 				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
 				var heldSince time.Time
@@ -298,8 +298,10 @@ func (p *Pipeline) park(msg *message.Message, db DB, d Delivery, letter dlq.Lett
 }
 
 // letter is a message's dead letter, with Watermill's poison-queue headers:
-// the reason, the topic, and the consumer group as the handler.
-func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, reason error) dlq.Letter {
+// the reason, the topic, and the consumer group as the handler; verdict
+// when the group recorded its verdict with the claim (a rejection), which
+// the console tells from a fault a replay may cure.
+func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, reason error, verdict bool) dlq.Letter {
 	headers := make(map[string]string, len(msg.Metadata)+4)
 	for k, v := range msg.Metadata {
 		headers[k] = v
@@ -315,6 +317,10 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 	// in no payload field, and the replay window judges the letter by its
 	// time.
 	delete(headers, dlq.HeaderEventID)
+	delete(headers, dlq.HeaderVerdict)
+	if verdict {
+		headers[dlq.HeaderVerdict] = dlq.VerdictRecorded
+	}
 	if id, ok := decodedID(g.decode, msg.Payload); ok {
 		headers[dlq.HeaderEventID] = id.String()
 	}

@@ -863,7 +863,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		Logger:                   cfg.Logger,
 		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
-			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
+			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason, true))
 		},
 	})
 	if err != nil {
