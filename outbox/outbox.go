@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"maps"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -18,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/internal/kafkasend"
@@ -38,6 +40,7 @@ type Outbox struct {
 	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
+	log     *slog.Logger
 }
 
 // New validates the names and returns the outbox, logging to logger (nil:
@@ -57,6 +60,7 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 		wlog: stopQuiet{watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
 		})},
+		log: logger,
 	}, nil
 }
 
@@ -68,7 +72,9 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 type stopQuiet struct{ watermill.LoggerAdapter }
 
 func (l stopQuiet) Error(msg string, err error, fields watermill.LogFields) {
-	if errors.Is(err, context.Canceled) {
+	// A failed poll's rollback fails too when the database went away:
+	// the poll's error is logged once per backoff step (pollBackoff).
+	if errors.Is(err, context.Canceled) || msg == "could not rollback tx for querying message" {
 		l.LoggerAdapter.Debug(msg, fields.Add(watermill.LogFields{"err": err}))
 		return
 	}
@@ -219,15 +225,83 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
 	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
 		ConsumerGroup:    forwarderGroup,
-		PollInterval:     50 * time.Millisecond,
+		PollInterval:     pollInterval,
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
 		InitializeSchema: initialize,
+		BackoffManager:   &pollBackoff{log: o.log, database: hostOf(db), table: o.tables.OutboxTable().Qualified},
 	}, o.wlog)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
+}
+
+// pollInterval is how often an idle forwarder reads the outbox; after a
+// failed read it waits pollBackoff's steps instead.
+const pollInterval = 50 * time.Millisecond
+
+// The forwarder's backoff after a failed read of the outbox: it doubles
+// from the first to the last step, and is back to pollInterval after a
+// read that worked.
+const (
+	firstRetry = time.Second
+	lastRetry  = 16 * time.Second
+)
+
+// pollBackoff is the forwarder's backoff after a failed read of the
+// outbox (watermill-sql's retried every second, with an ERROR each time:
+// 150 lines in half a minute of a database outage, naming nothing a
+// person could act on). It logs one line per step, naming the database's
+// host, the table and when it tries again, and one when a read works
+// again.
+type pollBackoff struct {
+	log             *slog.Logger
+	database, table string
+	mu              sync.Mutex
+	wait            time.Duration // the last step; 0 while reads work
+	since           time.Time     // the first failed read
+}
+
+func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err == nil {
+		if b.wait != 0 {
+			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", time.Since(b.since).Round(time.Millisecond))
+			b.wait = 0
+		}
+		if noMsg {
+			return pollInterval
+		}
+		return 0
+	}
+	if errors.Is(err, context.Canceled) {
+		return pollInterval // the stop's: the loop ends at once
+	}
+	if msg := strings.ToLower(err.Error()); strings.Contains(msg, "deadlock") || strings.Contains(msg, "concurrent update") {
+		// Two forwarders taking turns on the table: at once again, as
+		// watermill-sql's own backoff does.
+		b.log.Debug("outbox forwarder: a read lost a race with another forwarder; reading again", "table", b.table, "err", err)
+		return 0
+	}
+	if b.wait == 0 {
+		b.wait, b.since = firstRetry, time.Now()
+	} else {
+		b.wait = min(2*b.wait, lastRetry)
+	}
+	b.log.Warn(fmt.Sprintf("outbox forwarder cannot read the outbox on database %s; retrying in %s", b.database, b.wait),
+		"database", b.database, "table", b.table, "retry_in", b.wait, "failing_for", time.Since(b.since).Round(time.Millisecond), "err", err)
+	return b.wait
+}
+
+// hostOf names db's server for a log line (never its URL, which may hold
+// a password): its host, or "" when db does not say.
+func hostOf(db pgdb.DB) string {
+	if c, ok := db.(interface{ Config() *pgxpool.Config }); ok {
+		return c.Config().ConnConfig.Host
+	}
+	return ""
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through
