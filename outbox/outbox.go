@@ -19,10 +19,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/internal/kafkasend"
+	"github.com/once-dev/once/internal/retrylog"
 	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
@@ -229,7 +229,8 @@ func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscrib
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
 		InitializeSchema: initialize,
-		BackoffManager:   &pollBackoff{log: o.log, database: hostOf(db), table: o.tables.OutboxTable().Qualified},
+		BackoffManager: &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
+			steps: retrylog.Steps{First: firstRetry, Last: lastRetry}},
 	}, o.wlog)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
@@ -259,17 +260,15 @@ type pollBackoff struct {
 	log             *slog.Logger
 	database, table string
 	mu              sync.Mutex
-	wait            time.Duration // the last step; 0 while reads work
-	since           time.Time     // the first failed read
+	steps           retrylog.Steps
 }
 
 func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if err == nil {
-		if b.wait != 0 {
-			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", time.Since(b.since).Round(time.Millisecond))
-			b.wait = 0
+		if recovered, failing := b.steps.Worked(); recovered {
+			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", failing)
 		}
 		if noMsg {
 			return pollInterval
@@ -285,23 +284,10 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 		b.log.Debug("outbox forwarder: a read lost a race with another forwarder; reading again", "table", b.table, "err", err)
 		return 0
 	}
-	if b.wait == 0 {
-		b.wait, b.since = firstRetry, time.Now()
-	} else {
-		b.wait = min(2*b.wait, lastRetry)
-	}
-	b.log.Warn(fmt.Sprintf("outbox forwarder cannot read the outbox on database %s; retrying in %s", b.database, b.wait),
-		"database", b.database, "table", b.table, "retry_in", b.wait, "failing_for", time.Since(b.since).Round(time.Millisecond), "err", err)
-	return b.wait
-}
-
-// hostOf names db's server for a log line (never its URL, which may hold
-// a password): its host, or "" when db does not say.
-func hostOf(db pgdb.DB) string {
-	if c, ok := db.(interface{ Config() *pgxpool.Config }); ok {
-		return c.Config().ConnConfig.Host
-	}
-	return ""
+	wait, since := b.steps.Failed()
+	b.log.Warn(fmt.Sprintf("outbox forwarder cannot read the outbox on database %s; retrying in %s", b.database, wait),
+		"database", b.database, "table", b.table, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+	return wait
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through
