@@ -3,6 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"io"
 	"strings"
 	"testing"
 )
@@ -59,5 +62,36 @@ func TestHelpOnEverySubcommand(t *testing.T) {
 		if !strings.Contains(out.String(), "Usage: app") {
 			t.Errorf("%v: no usage printed: %q", args, out.String())
 		}
+	}
+}
+
+// Issue 31, item 5b: with --log-format json, an error that stops app was
+// printed as plain text ("app: ..."), which a JSON log pipeline drops or
+// garbles. It is now one JSON line on stderr, and main prints nothing more.
+func TestAFatalErrorHonoursTheLogFormat(t *testing.T) {
+	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("DATABASE_URL", "")
+	for _, args := range [][]string{
+		{"--log-format", "json", "serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency=-1"}, // refused by the command
+		{"--log-format", "json", "serve", "--kafka-brokers", "h:1"},                                                            // refused by the parser
+	} {
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), args, &out, &errOut)
+		var done logged
+		if err == nil || !errors.As(err, &done) {
+			t.Fatalf("%v: %v; want an error run logged", args, err)
+		}
+		var line map[string]any
+		lines := strings.Split(strings.TrimSpace(errOut.String()), "\n")
+		if jerr := json.Unmarshal([]byte(lines[len(lines)-1]), &line); jerr != nil || line["level"] != "ERROR" || line["err"] != err.Error() {
+			t.Errorf("%v: the last line of stderr is not the error as JSON (%v):\n%s", args, jerr, errOut.String())
+		}
+	}
+	// Text stays main's line.
+	var errOut bytes.Buffer
+	err := run(context.Background(), []string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency=-1"}, io.Discard, &errOut)
+	var done logged
+	if err == nil || errors.As(err, &done) {
+		t.Errorf("text format: %v; want an error for main to print", err)
 	}
 }
