@@ -219,9 +219,8 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 						killHere(d, "e2e: killing this process between the database commit and the offset commit", "event_id", r.EventID, "consumer_group", r.ConsumerGroup)
 					}
 				},
-				OnDeadLetter: func(dl pipeline.DeadLetter) {
-					d.log.Warn("dead-lettered", "topic", dl.Topic, "consumer_group", dl.Group, "partition", dl.Partition, "offset", dl.Offset, "dlq", dl.DLQ, "reason", dl.Reason)
-				},
+				// No OnDeadLetter line: the library logs each dead letter
+				// once (a rejection where it is recorded).
 				OnForwarded: func(f pipeline.Forwarded) {
 					d.log.Debug("forwarded", "topic", f.Topic, "event_id", f.ID)
 					if s.KillAfterForward > 0 && forwards.Add(1) == int64(s.KillAfterForward) {
