@@ -148,10 +148,22 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 	return kctx.Run(deps{log: log, stdout: stdout, stderr: stderr})
 }
 
+// newLogger writes format's lines to w. A duration is written as a person
+// reads it in text ("2.5s", slog's own) and as a number of seconds in
+// JSON (2.5; slog writes nanoseconds, 2500000000), in every line of app
+// and of the library it runs.
 func newLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
 	opts := &slog.HandlerOptions{Level: level}
 	if format == "json" {
+		opts.ReplaceAttr = durationSeconds
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+func durationSeconds(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.Float64Value(a.Value.Duration().Seconds())
+	}
+	return a
 }

@@ -6,8 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A bad or missing setting stops start-up with a message naming it, before
@@ -93,5 +95,21 @@ func TestAFatalErrorHonoursTheLogFormat(t *testing.T) {
 	var done logged
 	if err == nil || errors.As(err, &done) {
 		t.Errorf("text format: %v; want an error for main to print", err)
+	}
+}
+
+// Issue 31, item 5d: durations were nanoseconds in JSON logs
+// ("retry_in":2000000000). They are seconds there, as a person reads them
+// in text, nested in a group too.
+func TestDurationsInTheLogsAreSecondsOrReadable(t *testing.T) {
+	for _, tc := range []struct{ format, want string }{
+		{"json", `"retry_in":2.5,"held":{"for":0.25}`},
+		{"text", `retry_in=2.5s held.for=250ms`},
+	} {
+		var out bytes.Buffer
+		newLogger(&out, slog.LevelInfo, tc.format).Info("x", "retry_in", 2500*time.Millisecond, slog.Group("held", "for", 250*time.Millisecond))
+		if !strings.Contains(out.String(), tc.want) {
+			t.Errorf("%s: %q; want %s", tc.format, out.String(), tc.want)
+		}
 	}
 }
