@@ -145,7 +145,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		}
 	}()
 	kctx.BindTo(ctx, (*context.Context)(nil))
-	return kctx.Run(deps{log: log, stdout: stdout, stderr: stderr})
+	return flagNames(kctx.Run(deps{log: log, stdout: stdout, stderr: stderr}))
 }
 
 // newLogger writes format's lines to w. A duration is written as a person

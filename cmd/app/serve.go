@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"regexp"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -183,7 +180,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return nil
 	}
 	if err != nil {
-		return flagNames(err)
+		return err // run names the library's settings as flags
 	}
 	d.log.Info("stopped")
 	return nil
@@ -243,27 +240,3 @@ func orNone(d time.Duration) time.Duration {
 	}
 	return d
 }
-
-// flagNames names, in an error of the library, the flags (and their
-// environment variables) behind its settings.
-func flagNames(err error) error {
-	var se *once.SettingError
-	if !errors.As(err, &se) {
-		return err
-	}
-	text := err.Error()
-	for field, flag := range settingFlags {
-		text = strings.ReplaceAll(text, field, flag)
-	}
-	text = groupDatabaseSetting.ReplaceAllString(text, "--group-database $1 (ONCE_GROUP_DATABASES)")
-	return errors.New(strings.TrimPrefix(text, "once: "))
-}
-
-var settingFlags = map[string]string{
-	"DatabaseURL":       "DATABASE_URL",
-	"KafkaStartTimeout": "--kafka-start-timeout",
-	"Brokers":           "KAFKA_BROKERS",
-	"Retention:":        "--dedup-retention (ONCE_DEDUP_RETENTION):",
-}
-
-var groupDatabaseSetting = regexp.MustCompile(`GroupDatabases\[([^\]]+)\]`)
