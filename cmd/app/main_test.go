@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -110,6 +111,35 @@ func TestDurationsInTheLogsAreSecondsOrReadable(t *testing.T) {
 		newLogger(&out, slog.LevelInfo, tc.format).Info("x", "retry_in", 2500*time.Millisecond, slog.Group("held", "for", 250*time.Millisecond))
 		if !strings.Contains(out.String(), tc.want) {
 			t.Errorf("%s: %q; want %s", tc.format, out.String(), tc.want)
+		}
+	}
+}
+
+// Issue 31, item 5e: errors named the library's settings by their Go
+// fields ("Token", "(DatabaseURL)"), which a person running app does not
+// set. They name the flag and the environment variable now.
+func TestLibrarySettingsAreNamedAsFlags(t *testing.T) {
+	brokers := os.Getenv("KAFKA_BROKERS")
+	if brokers == "" {
+		t.Skip("needs KAFKA_BROKERS and DATABASE_URL (the README's test command)")
+	}
+	for _, tc := range []struct {
+		env        map[string]string
+		args       []string
+		want, gone string
+	}{
+		{map[string]string{"ONCE_CONSOLE_TOKEN": "too-short"}, []string{"console", "--listen", "127.0.0.1:0"},
+			"ONCE_CONSOLE_TOKEN", "Token must"},
+		{map[string]string{"DATABASE_URL": "postgres://once@127.0.0.1:1/once?connect_timeout=1"}, []string{"serve", "--kafka-start-timeout", "1s"},
+			"--database-url (DATABASE_URL): cannot reach PostgreSQL", "DatabaseURL"},
+	} {
+		for k, v := range tc.env {
+			t.Setenv(k, v)
+		}
+		var errOut bytes.Buffer
+		err := run(context.Background(), tc.args, io.Discard, &errOut)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), tc.gone) {
+			t.Errorf("%v: %v\n%s; want an error naming %s, not %s", tc.args, err, errOut.String(), tc.want, tc.gone)
 		}
 	}
 }
