@@ -3,9 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -107,7 +109,7 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "where\tevent id\tfrom topic\tgroup\tevent age\treason")
 	for _, e := range entries {
-		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, orDash(e.EventID), orDash(e.Topic), orDash(e.Group),
+		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, oneLine(orDash(e.EventID), 100), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
 			now.Sub(e.EventTime).Round(time.Second), oneLine(e.Reason, 100))
 	}
 	parked := 0
@@ -128,7 +130,7 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 		for _, l := range letters {
 			e := l.Entry()
 			parked++
-			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), orDash(e.Topic), orDash(e.Group),
+			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
 				now.Sub(l.CreatedAt).Round(time.Second), oneLine(e.Reason, 100))
 		}
 	}
@@ -144,12 +146,24 @@ func orDash(s string) string {
 	return s
 }
 
+// oneLine is text of a letter (its reason, a header, an error: written by
+// whoever wrote the letter) as one line of at most max bytes, its control
+// codes escaped (\x1b): written raw, they would move a terminal's cursor,
+// recolour it or set its title.
 func oneLine(s string, max int) string {
 	s = strings.Join(strings.Fields(s), " ")
 	if len(s) > max {
-		s = s[:max] + "..."
+		s = strings.ToValidUTF8(s[:max], "") + "..."
 	}
-	return s
+	var b strings.Builder
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			b.WriteString(strings.Trim(strconv.QuoteRune(r), "'"))
+			continue
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }
 
 type dlqReplayCmd struct {

@@ -3,10 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+	"unicode"
 
+	"github.com/IBM/sarama"
 	"github.com/google/uuid"
 
 	"github.com/once-dev/once/internal/reftest"
@@ -86,5 +90,57 @@ func TestADeadLetterIsLoggedOnceWithTypedFields(t *testing.T) {
 	}
 	if _, ok := letters[0]["offset"].(float64); !ok {
 		t.Errorf("offset %#v: want a number", letters[0]["offset"])
+	}
+}
+
+// Issue 31, item 5f (and issue 28): app dlq list wrote its progress line's
+// control codes ("\r\033[K") into a pipe or a file, and a letter's
+// reason and headers as they were, control codes and all (a letter may
+// be written by anyone who can produce to the topic). Now no progress line
+// unless stderr is a terminal, and a letter's text has its control codes
+// escaped.
+func TestDLQListWritesNoControlCodes(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	suffix := "." + uuid.NewString()[:8]
+	dlqTopic := "order.confirmed.v1" + suffix + ".dlq"
+	admin := testenv.Admin(t, brokers)
+	if err := admin.CreateTopic(dlqTopic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = admin.DeleteTopic(dlqTopic) })
+	id := uuid.Must(uuid.NewV7())
+	if _, _, err := testenv.Producer(t, brokers).SendMessage(&sarama.ProducerMessage{Topic: dlqTopic, Value: sarama.StringEncoder(`{"event_id":"` + id.String() + `"}`),
+		Headers: []sarama.RecordHeader{{Key: []byte("reason_poisoned"), Value: []byte("card \x1b[31mdeclined\x1b]0;owned\x07")},
+			{Key: []byte("topic_poisoned"), Value: []byte("order.confirmed.v1" + suffix)},
+			{Key: []byte("handler_poisoned"), Value: []byte("billing\x1b[2J" + suffix)}}}); err != nil {
+		t.Fatal(err)
+	}
+	// Files, as a shell's redirection or a pipe gives: no terminal.
+	stdout, err := os.Create(filepath.Join(t.TempDir(), "stdout"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stderr, err := os.Create(filepath.Join(t.TempDir(), "stderr"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := run(context.Background(), []string{"dlq", "list", "--kafka-brokers", strings.Join(brokers, ","), "--topic-suffix", suffix, "--group-suffix", suffix}, stdout, stderr); err != nil {
+		t.Fatal(err)
+	}
+	out, _ := os.ReadFile(stdout.Name())
+	errOut, _ := os.ReadFile(stderr.Name())
+	if !strings.Contains(string(out), id.String()) {
+		t.Fatalf("the letter is not listed:\n%s", out)
+	}
+	for name, b := range map[string][]byte{"stdout": out, "stderr": errOut} {
+		for _, c := range string(b) {
+			if c != '\n' && c != '\t' && unicode.IsControl(c) {
+				t.Errorf("%s holds the control code %q:\n%q", name, c, b)
+				break
+			}
+		}
+	}
+	if !strings.Contains(string(out), `card \x1b[31mdeclined\x1b]0;owned\a`) || !strings.Contains(string(out), `billing\x1b[2J`) {
+		t.Errorf("the letter's reason and group, their control codes escaped:\n%s", out)
 	}
 }
