@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -141,5 +142,15 @@ func TestLibrarySettingsAreNamedAsFlags(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), tc.gone) {
 			t.Errorf("%v: %v\n%s; want an error naming %s, not %s", tc.args, err, errOut.String(), tc.want, tc.gone)
 		}
+	}
+}
+
+// flagNames maps whole field names only, and keeps the library's chain.
+func TestFlagNamesMapWholeFieldsAndKeepTheChain(t *testing.T) {
+	cause := errors.New("pipeline: RevocationGrace 10s must be shorter than CloseTimeout 10s; TxStatementTimeout left as is")
+	err := flagNames(fmt.Errorf("once: %w", cause))
+	want := "--revocation-grace (ONCE_REVOCATION_GRACE) 10s must be shorter than --drain-timeout (ONCE_DRAIN_TIMEOUT) 10s; TxStatementTimeout left as is"
+	if !strings.Contains(err.Error(), want) || strings.HasPrefix(err.Error(), "once: ") || !errors.Is(err, cause) {
+		t.Errorf("%q (errors.Is the cause: %v); want %q", err, errors.Is(err, cause), want)
 	}
 }

@@ -21,6 +21,18 @@ var settingFlags = map[string]string{
 	"MaxClockSkew":      "--max-clock-skew (ONCE_MAX_CLOCK_SKEW)",
 	"Token":             "the console's token (ONCE_CONSOLE_TOKEN, or the file --console-token-file, ONCE_CONSOLE_TOKEN_FILE)",
 	"Hosts":             "--console-host (ONCE_CONSOLE_HOSTS)",
+	"CloseTimeout":      "--drain-timeout (ONCE_DRAIN_TIMEOUT)",
+	"SessionTimeout":    "--session-timeout (ONCE_SESSION_TIMEOUT)",
+	"HeartbeatInterval": "--heartbeat-interval (ONCE_HEARTBEAT_INTERVAL)",
+	"InstanceID":        "--instance-id (ONCE_INSTANCE_ID)",
+	"AttemptTimeout":    "--attempt-timeout (ONCE_ATTEMPT_TIMEOUT)",
+	"CommitMode":        "--commit-mode (ONCE_COMMIT_MODE)",
+	"CommitInterval":    "--commit-interval (ONCE_COMMIT_INTERVAL)",
+	"HoldMaxBackoff":    "--hold-max-backoff (ONCE_HOLD_MAX_BACKOFF)",
+	"MaxConns":          "--db-max-conns (ONCE_DB_MAX_CONNS)",
+	"ConnectTimeout":    "--db-connect-timeout (ONCE_DB_CONNECT_TIMEOUT)",
+	"StatementTimeout":  "--db-statement-timeout (ONCE_DB_STATEMENT_TIMEOUT)",
+	"ReplayWindow":      "--console-replay-window (ONCE_DLQ_REPLAY_WINDOW)",
 }
 
 var (
