@@ -110,7 +110,7 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 	fmt.Fprintln(w, "where\tevent id\tfrom topic\tgroup\tevent age\treason")
 	for _, e := range entries {
 		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, oneLine(orDash(e.EventID), 100), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
-			now.Sub(e.EventTime).Round(time.Second), oneLine(e.Reason, 100))
+			now.Sub(e.EventTime).Round(time.Second), verdictMark(e)+oneLine(e.Reason, 100))
 	}
 	parked := 0
 	if c.DB != "" {
@@ -131,12 +131,21 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 			e := l.Entry()
 			parked++
 			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
-				now.Sub(l.CreatedAt).Round(time.Second), oneLine(e.Reason, 100))
+				now.Sub(l.CreatedAt).Round(time.Second), verdictMark(e)+oneLine(e.Reason, 100))
 		}
 	}
 	w.Flush()
 	fmt.Fprintf(d.stdout, "%d dead letters on the topics, %d parked in the database\n", len(entries), parked)
 	return nil
+}
+
+// verdictMark marks the letter of a group's recorded verdict, which a
+// replay does not change (dlq.HeaderVerdict): for that group a duplicate.
+func verdictMark(e dlq.Entry) string {
+	if e.Verdict {
+		return "[recorded verdict: a replay is a duplicate for its group] "
+	}
+	return ""
 }
 
 func orDash(s string) string {

@@ -13,6 +13,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/google/uuid"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 )
@@ -112,7 +113,7 @@ func TestDLQListWritesNoControlCodes(t *testing.T) {
 	if _, _, err := testenv.Producer(t, brokers).SendMessage(&sarama.ProducerMessage{Topic: dlqTopic, Value: sarama.StringEncoder(`{"event_id":"` + id.String() + `"}`),
 		Headers: []sarama.RecordHeader{{Key: []byte("reason_poisoned"), Value: []byte("card \x1b[31mdeclined\x1b]0;owned\x07")},
 			{Key: []byte("topic_poisoned"), Value: []byte("order.confirmed.v1" + suffix)},
-			{Key: []byte("handler_poisoned"), Value: []byte("billing\x1b[2J" + suffix)}}}); err != nil {
+			{Key: []byte("handler_poisoned"), Value: []byte("billing\x1b[2J" + suffix)}, {Key: []byte(dlq.HeaderVerdict), Value: []byte(dlq.VerdictRecorded)}}}); err != nil {
 		t.Fatal(err)
 	}
 	// Files, as a shell's redirection or a pipe gives: no terminal.
@@ -142,5 +143,8 @@ func TestDLQListWritesNoControlCodes(t *testing.T) {
 	}
 	if !strings.Contains(string(out), `card \x1b[31mdeclined\x1b]0;owned\a`) || !strings.Contains(string(out), `billing\x1b[2J`) {
 		t.Errorf("the letter's reason and group, their control codes escaped:\n%s", out)
+	}
+	if !strings.Contains(string(out), "[recorded verdict: a replay is a duplicate for its group] card") {
+		t.Errorf("the letter of a recorded verdict is not marked:\n%s", out)
 	}
 }
