@@ -41,10 +41,21 @@ const HeaderEventID = "once_event_id"
 // events whose group recorded its own verdict with the event's claim
 // (idempotency.RejectAfterCommit: a charge the provider declined, marked
 // failed). A replay cannot change that verdict: the group finds the claim
-// and skips the replay as a duplicate, and with the claim forgotten its
-// handler meets its own record and dead-letters the event again. Letters
-// without it (a payload that does not decode, a handler's permanent error
-// rolled back) left nothing of the event behind, and a replay runs it anew.
+// and skips the replay as a duplicate; with the claim forgotten, a handler
+// that meets its own record gives the same verdict again (billing does) and
+// the new letter carries the header too.
+//
+// A letter without it is one whose group committed no claim of the event:
+// a payload that does not decode, a handler's permanent error (the
+// attempt rolled back), or a payload mismatch (the group's claim of the
+// event id is another payload's). A replay runs the group's checks and
+// handler again, and they decide anew from what they find: what the
+// handler wrote outside its transaction or in other events' records stays
+// (billing's unsettled charge intent after a reused idempotency key, or
+// another event's payment for the order, refuse it again until a person
+// reconciles), and a mismatch is dead-lettered again while that claim
+// stands. The header is set by the pipeline alone: one a message arrives
+// with is not kept on its letter, and a replay sends none.
 const HeaderVerdict = "once_verdict"
 
 // VerdictRecorded is [HeaderVerdict]'s value.
