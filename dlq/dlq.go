@@ -76,6 +76,12 @@ type Config struct {
 	// provider's key retention, where a replayed charge whose transaction
 	// had rolled back would charge again. 0 replays all.
 	MaxAge time.Duration
+	// SkipVerdicts skips (and counts) the letters of recorded verdicts
+	// ([HeaderVerdict]): for their group a replay is a duplicate that
+	// changes nothing. Like a stale letter, a skipped one is done for this
+	// progress: send it later alone ([ReplayLetter]) or from a progress
+	// group of its own. Default false: every letter is sent.
+	SkipVerdicts bool
 	// Filter replays only the letters it selects; the others stay for a
 	// later replay (a filtered replay keeps its progress in a group of its
 	// own, see progressGroup). With a MinAge, a partition's replay stops at
@@ -109,10 +115,11 @@ type Position struct {
 type Outcome int
 
 const (
-	Replayed     Outcome = iota // sent again to its topic
-	SkippedStale                // its event is older than MaxAge
-	Filtered                    // the filter leaves it out
-	NotYet                      // too young for the filter's MinAge: its partition stops there
+	Replayed       Outcome = iota // sent again to its topic
+	SkippedStale                  // its event is older than MaxAge
+	Filtered                      // the filter leaves it out
+	NotYet                        // too young for the filter's MinAge: its partition stops there
+	SkippedVerdict                // its group's recorded verdict, with SkipVerdicts
 )
 
 // Report says what a replay did.
@@ -121,7 +128,9 @@ type Report struct {
 	SkippedStale int64
 	Filtered     int64 // left out by the filter, for good
 	NotYet       int64 // partitions stopped at a letter too young for the filter's MinAge
-	ByTopic      map[string]int64
+	// SkippedVerdicts: letters of recorded verdicts left out (SkipVerdicts).
+	SkippedVerdicts int64
+	ByTopic         map[string]int64
 	// Ends is where each partition's read ended: [Config.Until] for a
 	// replay that is to do what this one (a dry run) said.
 	Ends map[Position]int64
@@ -386,6 +395,11 @@ func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessa
 		tell(SkippedStale)
 		return nil
 	}
+	if cfg.SkipVerdicts && e.Verdict {
+		rep.SkippedVerdicts++
+		tell(SkippedVerdict)
+		return nil
+	}
 	topic := cfg.Topic
 	var key sarama.Encoder
 	var headers []sarama.RecordHeader
@@ -455,6 +469,7 @@ func (r *Report) add(o Report) {
 	r.SkippedStale += o.SkippedStale
 	r.Filtered += o.Filtered
 	r.NotYet += o.NotYet
+	r.SkippedVerdicts += o.SkippedVerdicts
 	for t, n := range o.ByTopic {
 		r.ByTopic[t] += n
 	}

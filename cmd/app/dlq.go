@@ -180,6 +180,9 @@ type dlqReplayCmd struct {
 	Filter dlqFilterFlags `embed:""`
 	Group  string         `name:"group" default:"${dlq_group}" help:"Consumer group that keeps the replay progress (a filtered replay keeps its own, derived from it and the filter)."`
 	MaxAge time.Duration  `name:"max-age" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"Skip dead letters older than this (keep it within the payment provider's key retention); 0 replays all."`
+	// A verdict's replay is a duplicate for its group: not sent unless
+	// asked for by name, and counted either way.
+	IncludeVerdicts bool `name:"include-verdicts" help:"Send the letters of a group's recorded verdict too (a declined charge: dlq list marks them); for that group a replay is a duplicate that changes nothing. Default: skipped and counted, done for this progress like stale ones (send one later from the console's letter page, or with this flag and a --group of its own)."`
 }
 
 func (c *dlqReplayCmd) Validate() error {
@@ -196,7 +199,7 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	defer p.Done()
 	routes := c.Filter.routes(&c.Kafka)
 	total, err := dlq.ReplayRoutes(ctx, dlq.Config{
-		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f,
+		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f, SkipVerdicts: !c.IncludeVerdicts,
 		Progress: func(done, n int64) { p.Set("replaying: %d/%d", done, n) },
 	}, routes)
 	// What was sent is said even when a partition failed: its letters
@@ -204,6 +207,11 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	p.Done()
 	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",
 		total.Replayed, total.SkippedStale, c.MaxAge, total.Filtered)
+	if c.IncludeVerdicts {
+		fmt.Fprintf(d.stdout, "sent every group's recorded verdict among them (--include-verdicts): for its group a duplicate\n")
+	} else {
+		fmt.Fprintf(d.stdout, "skipped %d letters of a group's recorded verdict (a replay is a duplicate for its group; --include-verdicts sends them)\n", total.SkippedVerdicts)
+	}
 	if total.NotYet > 0 {
 		fmt.Fprintf(d.stdout, "stopped %d partitions at a letter younger than --older-than %s: the same command replays from there later\n", total.NotYet, c.Filter.OlderThan)
 	}
