@@ -494,7 +494,12 @@ type confirmData struct {
 	// whose group recorded its verdict: for that group the replay is a
 	// duplicate. The form then asks the person to say they know.
 	Verdicts int64
-	Plan     string // the confirmation's id, which its form posts
+	// SkipVerdicts: a filtered replay that leaves the recorded verdicts
+	// out (the confirmation's "without them" link, verdicts=skip);
+	// SkippedVerdicts counts them.
+	SkipVerdicts    bool
+	SkippedVerdicts int64
+	Plan            string // the confirmation's id, which its form posts
 	// After the replay:
 	ID     string // the report's, for the inbox's links
 	Report dlq.Report
@@ -515,6 +520,8 @@ type plan struct {
 	// verdicts: letters of recorded verdicts among those it sends; its
 	// POST must say the person knows (knowsDuplicate), or it is refused.
 	verdicts int64
+	// skipVerdicts: a filtered replay that leaves them out.
+	skipVerdicts bool
 }
 
 // knowsDuplicate is the confirmation's box a person ticks to replay
@@ -604,8 +611,8 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	// A dry run from the replay's own progress: the counts are what the
 	// replay will send, not every letter on the topics (letters an earlier
 	// replay with this filter sent are not sent again).
-	d := confirmData{Filter: ff}
-	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
+	d := confirmData{Filter: ff, SkipVerdicts: r.FormValue("verdicts") == "skip"}
+	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, d.SkipVerdicts, true, nil, func(e dlq.Entry, o dlq.Outcome) {
 		if o == dlq.Replayed && e.Verdict {
 			d.Verdicts++
 		}
@@ -613,20 +620,20 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 			d.Letters = append(d.Letters, c.view(e, "", now, hidden, false))
 		}
 	}), c.cfg.Routes)
-	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
+	d.InWindow, d.Stale, d.NotYet, d.SkippedVerdicts = rep.Replayed, rep.SkippedStale, rep.NotYet, rep.SkippedVerdicts
 	if err != nil {
 		// Counts read in part are no promise: no form to confirm them.
 		c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 		return
 	}
-	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends, verdicts: d.Verdicts})
+	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends, verdicts: d.Verdicts, skipVerdicts: d.SkipVerdicts})
 	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 }
 
 // replayConfig is the configuration of a replay of a filtered group (in a
 // dry run, of its confirmation), telling each letter's outcome to each.
-func (c *Console) replayConfig(f dlq.Filter, dryRun bool, until map[dlq.Position]int64, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
-	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow,
+func (c *Console) replayConfig(f dlq.Filter, skipVerdicts, dryRun bool, until map[dlq.Position]int64, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
+	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow, SkipVerdicts: skipVerdicts,
 		Filter: f, Now: c.cfg.Now, DryRun: dryRun, Until: until, Each: each}
 }
 
@@ -651,8 +658,12 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 	// Looked at before it is taken: a form posted without the box ticked
 	// leaves its plan for the form posted again with it.
 	if pl, ok := c.plans.get(r.PostFormValue("plan")); ok && pl.verdicts > 0 && r.PostFormValue(knowsDuplicate) != "yes" {
+		instead := "Go back and tick the box that says you know."
+		if pl.one == nil {
+			instead = "Go back and tick the box that says you know, or follow its link \"Replay without them\", which leaves them out."
+		}
 		c.fail(w, r, http.StatusBadRequest, fmt.Sprintf("Not replayed: %d of these letters are of events whose group recorded its verdict with the event's claim, "+
-			"which a replay cannot change (for that group it is a duplicate). Go back and tick the box that says you know, or replay without them.", pl.verdicts))
+			"which a replay cannot change (for that group it is a duplicate). %s", pl.verdicts, instead))
 		return
 	}
 	pl, ok := c.plans.take(r.PostFormValue("plan"))
@@ -684,14 +695,14 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 			c.fail(w, r, http.StatusBadRequest, ferr.Error())
 			return
 		}
-		d.Filter = pl.filter
-		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
+		d.Filter, d.SkipVerdicts = pl.filter, pl.skipVerdicts
+		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, pl.skipVerdicts, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
 			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
 				d.Letters = append(d.Letters, c.view(e, "", now, hiddenInReport, false))
 			}
 		}), c.cfg.Routes)
 		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed, "verdicts", pl.verdicts,
-			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
+			"skipped_stale", d.Report.SkippedStale, "skipped_verdicts", d.Report.SkippedVerdicts, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
 	}
 	if err != nil {
 		d.Err = err.Error()

@@ -164,10 +164,38 @@ func TestARecordedVerdictIsReplayedOnlyKnowingly(t *testing.T) {
 	if !strings.Contains(page, "1 of these letters are its group's recorded verdict") || !strings.Contains(page, `name="duplicate"`) {
 		t.Fatalf("the filtered confirmation does not count the verdict:\n%s", page)
 	}
-	if code, body := post(t, c, withToken+"/replay", url.Values{"csrf": {csrfOf(t, page)}, "plan": {hidden(t, page, "plan")}}, nil); code != http.StatusBadRequest {
-		t.Fatalf("a filtered replay with a verdict, without the box: %d\n%s", code, body)
+	if code, body := post(t, c, withToken+"/replay", url.Values{"csrf": {csrfOf(t, page)}, "plan": {hidden(t, page, "plan")}}, nil); code != http.StatusBadRequest ||
+		!strings.Contains(body, "Replay without them") {
+		t.Fatalf("a filtered replay with a verdict, without the box: %d (its refusal must name the replay without them)\n%s", code, body)
 	}
 	if n := testenv.MessageCount(t, brokers, topic); n != 4 {
 		t.Fatalf("%d messages on the topic; want the 2 published and the 2 replayed", n)
 	}
+
+	// The replay without them: offered on the confirmation, it asks
+	// nothing, counts the verdict it leaves out, and sends the fault only.
+	if !strings.Contains(page, `id="without-verdicts"`) {
+		t.Fatalf("the filtered confirmation offers no replay without the verdicts:\n%s", page)
+	}
+	_, page = get(t, c, withToken+"/replay?"+url.Values{"group": {group}, "verdicts": {"skip"}}.Encode())
+	if strings.Contains(page, `name="duplicate"`) || !strings.Contains(page, `id="skipped-verdicts"`) || !strings.Contains(page, "<strong>1</strong> letters of a group's recorded verdict are left out") {
+		t.Fatalf("the confirmation without the verdicts:\n%s", page)
+	}
+	code, _, to := postRedirect(t, c, withToken+"/replay", url.Values{"csrf": {csrfOf(t, page)}, "plan": {hidden(t, page, "plan")}})
+	if code != http.StatusSeeOther {
+		t.Fatalf("the replay without the verdicts: %d", code)
+	}
+	if _, report := get(t, c, srvOf(withToken)+to); !strings.Contains(report, "Replayed <strong>1</strong>") || !strings.Contains(report, "left 1 recorded verdicts out") {
+		t.Fatalf("the report of the replay without the verdicts:\n%s", report)
+	}
+	testenv.Eventually(t, 30*time.Second, "the fault sent again", func() bool { return testenv.MessageCount(t, brokers, topic) == 5 })
+	for _, m := range testenv.ReadTopic(t, brokers, topic)[4:] {
+		var o order
+		if err := json.Unmarshal(m.Value, &o); err != nil || o.ID != faulty.ID {
+			t.Fatalf("the replay without the verdicts sent %s (%v), want the fault's event %s", o.ID, err, faulty.ID)
+		}
+	}
 }
+
+// srvOf is the server's address of a console base URL.
+func srvOf(base string) string { return strings.TrimSuffix(base, console.DefaultPrefix) }
