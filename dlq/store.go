@@ -243,8 +243,9 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 			if err != nil && ctx.Err() == nil {
 				var since time.Time
 				wait, since = steps.Failed()
-				cfg.Logger.Warn(fmt.Sprintf("dead letters: cannot read the parked ones on database %s; retrying in %s", host, wait),
-					"database", host, "table", s.table, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+				level, class, action := retrylog.Class(err)
+				cfg.Logger.Log(ctx, level, fmt.Sprintf("dead letters: cannot read the parked ones on database %s: %s; retrying in %s", host, action, wait),
+					"database", host, "table", s.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
 			} else if recovered, failing := steps.Worked(); err == nil && recovered {
 				cfg.Logger.Info("dead letters: reading the parked ones again", "database", host, "table", s.table, "failing_for", failing)
 			}

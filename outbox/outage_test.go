@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/schema"
@@ -78,6 +80,84 @@ func TestAnOutageLogsOneLinePerBackoffStep(t *testing.T) {
 		msg, _ := line["msg"].(string)
 		if line["level"] != "WARN" || line["database"] != host || !strings.Contains(msg, "retrying") || line["retry_in"] == nil {
 			t.Errorf("an outage line names no database host (%s) or when it retries: %v", host, line)
+		}
+	}
+}
+
+// A read the database refuses for good (the role lacks the grant) is no
+// outage: its line is an ERROR that says so and names the action, with
+// its error class, still one per backoff step. A line calling it a wait
+// for the database would send a person to the wrong place.
+func TestARefusedReadIsNamedAndNotAnOutage(t *testing.T) {
+	direct := testenv.Postgres(t)
+	ob, err := outbox.New(schema.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Init(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	role := "once_no_grant_" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
+	if _, err := direct.Exec(context.Background(), "CREATE ROLE "+role+" NOLOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	// The forwarder may keep its offsets (it subscribes), not read the
+	// outbox.
+	offsets := schema.Config{}.OutboxOffsetsTable()
+	if _, err := direct.Exec(context.Background(), "GRANT SELECT, INSERT, UPDATE ON "+offsets.Qualified+" TO "+role); err != nil {
+		t.Fatal(err)
+	}
+	pool := testenv.PoolAs(t, direct, role)
+	t.Cleanup(func() {
+		pool.Close()
+		_, _ = direct.Exec(context.Background(), "DROP OWNED BY "+role)
+		_, _ = direct.Exec(context.Background(), "DROP ROLE "+role)
+	})
+	var logged testenv.Logs
+	ob, err = outbox.New(schema.Config{}, slog.New(slog.NewJSONHandler(&logged, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fw, err := ob.Forwarder(pool, outbox.KafkaPublisher{Producer: testenv.Producer(t, testenv.Brokers(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- fw.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	testenv.Eventually(t, 20*time.Second, "a refused read's line", func() bool {
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("the forwarder stopped: %v\n%s", err, logged.String())
+		default:
+		}
+		return strings.Contains(logged.String(), "error_class")
+	})
+	time.Sleep(2500 * time.Millisecond) // a second step of the backoff
+	var lines []map[string]any
+	dec := json.NewDecoder(strings.NewReader(logged.String()))
+	for dec.More() {
+		var line map[string]any
+		if err := dec.Decode(&line); err != nil {
+			t.Fatal(err)
+		}
+		if line["level"] == "WARN" || line["level"] == "ERROR" {
+			lines = append(lines, line)
+		}
+	}
+	// The fault staged: the role's reads were refused, by the grant.
+	if len(lines) == 0 || !strings.Contains(logged.String(), "permission denied for") {
+		t.Fatalf("no read was refused for the grant:\n%s", logged.String())
+	}
+	if len(lines) > 3 {
+		t.Errorf("%d lines in under 4 s; want one per backoff step (1s, 2s)", len(lines))
+	}
+	for _, line := range lines {
+		msg, _ := line["msg"].(string)
+		if line["level"] != "ERROR" || line["error_class"] != "permission_denied" || !strings.Contains(msg, "grant") || !strings.Contains(msg, "retrying in") {
+			t.Errorf("a refused read's line is not an ERROR naming the grant: %v", line)
 		}
 	}
 }

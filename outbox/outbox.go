@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -223,19 +224,71 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 }
 
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
-	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
+	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
+		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
+	sub, err := watermillsql.NewSubscriber(rowsErrBeginner{watermillsql.BeginnerFromPgx(db), backoff}, watermillsql.SubscriberConfig{
 		ConsumerGroup:    forwarderGroup,
 		PollInterval:     pollInterval,
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
 		InitializeSchema: initialize,
-		BackoffManager: &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
-			steps: retrylog.Steps{First: firstRetry, Last: lastRetry}},
+		BackoffManager:   backoff,
 	}, o.wlog)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
+}
+
+// rowsErrBeginner makes a read's failure seen. watermill-sql's subscriber
+// never asks its rows for their error, and with pgx a read the server
+// refuses (permission denied for the outbox table) fails there: the poll
+// looked like an empty outbox, forwarding nothing and saying nothing. Its
+// rows' Close returns the error (the subscriber then fails the poll and
+// rolls back), and the backoff logs the error itself, which the
+// subscriber's own wrapping of a Close error loses.
+type rowsErrBeginner struct {
+	watermillsql.Beginner
+	backoff *pollBackoff
+}
+
+func (b rowsErrBeginner) BeginTx(ctx context.Context, opts *sql.TxOptions) (watermillsql.Tx, error) {
+	tx, err := b.Beginner.BeginTx(ctx, opts)
+	if err != nil {
+		return tx, err
+	}
+	return rowsErrTx{tx, b.backoff}, nil
+}
+
+type rowsErrTx struct {
+	watermillsql.Tx
+	backoff *pollBackoff
+}
+
+func (t rowsErrTx) QueryContext(ctx context.Context, query string, args ...any) (watermillsql.Rows, error) {
+	rows, err := t.Tx.QueryContext(ctx, query, args...)
+	if err != nil {
+		return rows, err
+	}
+	return rowsErr{rows, t.backoff}, nil
+}
+
+type rowsErr struct {
+	watermillsql.Rows
+	backoff *pollBackoff
+}
+
+func (r rowsErr) Close() error {
+	err := r.Rows.Close()
+	if e, ok := r.Rows.(interface{ Err() error }); ok && err == nil {
+		err = e.Err()
+	}
+	if err != nil {
+		r.backoff.mu.Lock()
+		r.backoff.readErr = err
+		r.backoff.mu.Unlock()
+	}
+	return err
 }
 
 // pollInterval is how often an idle forwarder reads the outbox; after a
@@ -261,11 +314,18 @@ type pollBackoff struct {
 	database, table string
 	mu              sync.Mutex
 	steps           retrylog.Steps
+	// readErr: the error of the poll's rows (rowsErr), which the
+	// subscriber returns only as "could not close rows".
+	readErr error
 }
 
 func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if err != nil && b.readErr != nil {
+		err = b.readErr
+	}
+	b.readErr = nil
 	if err == nil {
 		if recovered, failing := b.steps.Worked(); recovered {
 			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", failing)
@@ -285,8 +345,9 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 		return 0
 	}
 	wait, since := b.steps.Failed()
-	b.log.Warn(fmt.Sprintf("outbox forwarder cannot read the outbox on database %s; retrying in %s", b.database, wait),
-		"database", b.database, "table", b.table, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+	level, class, action := retrylog.Class(err)
+	b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder cannot read the outbox on database %s: %s; retrying in %s", b.database, action, wait),
+		"database", b.database, "table", b.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
 	return wait
 }
 
