@@ -1057,7 +1057,12 @@ func (s *scenario) deadLetters() map[string]map[string][]string {
 func (o outcomes) held() int {
 	return o.lines["holding the message: its attempt failed for a reason that is not the message's own; retrying"]
 }
-func (o outcomes) deadLettered() int { return o.lines["dead-lettered"] }
+
+// deadLettered counts the library's one line per dead letter: a message
+// at fault, or a group's recorded verdict (app serve logs none of its own).
+func (o outcomes) deadLettered() int {
+	return o.lines["dead-lettered: the message itself is at fault"] + o.lines["rejected for good; recorded and committed"]
+}
 
 // stillRunning fails the test for every consumer that exited on its own.
 func (s *scenario) stillRunning(procs ...*proc) {

@@ -3,12 +3,14 @@ package outbox
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -21,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/internal/kafkasend"
+	"github.com/once-dev/once/internal/retrylog"
 	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
@@ -38,6 +41,7 @@ type Outbox struct {
 	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
+	log     *slog.Logger
 }
 
 // New validates the names and returns the outbox, logging to logger (nil:
@@ -57,6 +61,7 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 		wlog: stopQuiet{watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
 		})},
+		log: logger,
 	}, nil
 }
 
@@ -68,7 +73,9 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 type stopQuiet struct{ watermill.LoggerAdapter }
 
 func (l stopQuiet) Error(msg string, err error, fields watermill.LogFields) {
-	if errors.Is(err, context.Canceled) {
+	// A failed poll's rollback fails too when the database went away:
+	// the poll's error is logged once per backoff step (pollBackoff).
+	if errors.Is(err, context.Canceled) || msg == "could not rollback tx for querying message" {
 		l.LoggerAdapter.Debug(msg, fields.Add(watermill.LogFields{"err": err}))
 		return
 	}
@@ -217,17 +224,131 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 }
 
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
-	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
+	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
+		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
+	sub, err := watermillsql.NewSubscriber(rowsErrBeginner{watermillsql.BeginnerFromPgx(db), backoff}, watermillsql.SubscriberConfig{
 		ConsumerGroup:    forwarderGroup,
-		PollInterval:     50 * time.Millisecond,
+		PollInterval:     pollInterval,
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
 		InitializeSchema: initialize,
+		BackoffManager:   backoff,
 	}, o.wlog)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
+}
+
+// rowsErrBeginner makes a read's failure seen. watermill-sql's subscriber
+// never asks its rows for their error, and with pgx a read the server
+// refuses (permission denied for the outbox table) fails there: the poll
+// looked like an empty outbox, forwarding nothing and saying nothing. Its
+// rows' Close returns the error (the subscriber then fails the poll and
+// rolls back), and the backoff logs the error itself, which the
+// subscriber's own wrapping of a Close error loses.
+type rowsErrBeginner struct {
+	watermillsql.Beginner
+	backoff *pollBackoff
+}
+
+func (b rowsErrBeginner) BeginTx(ctx context.Context, opts *sql.TxOptions) (watermillsql.Tx, error) {
+	tx, err := b.Beginner.BeginTx(ctx, opts)
+	if err != nil {
+		return tx, err
+	}
+	return rowsErrTx{tx, b.backoff}, nil
+}
+
+type rowsErrTx struct {
+	watermillsql.Tx
+	backoff *pollBackoff
+}
+
+func (t rowsErrTx) QueryContext(ctx context.Context, query string, args ...any) (watermillsql.Rows, error) {
+	rows, err := t.Tx.QueryContext(ctx, query, args...)
+	if err != nil {
+		return rows, err
+	}
+	return rowsErr{rows, t.backoff}, nil
+}
+
+type rowsErr struct {
+	watermillsql.Rows
+	backoff *pollBackoff
+}
+
+func (r rowsErr) Close() error {
+	err := r.Rows.Close()
+	if e, ok := r.Rows.(interface{ Err() error }); ok && err == nil {
+		err = e.Err()
+	}
+	if err != nil {
+		r.backoff.mu.Lock()
+		r.backoff.readErr = err
+		r.backoff.mu.Unlock()
+	}
+	return err
+}
+
+// pollInterval is how often an idle forwarder reads the outbox; after a
+// failed read it waits pollBackoff's steps instead.
+const pollInterval = 50 * time.Millisecond
+
+// The forwarder's backoff after a failed read of the outbox: it doubles
+// from the first to the last step, and is back to pollInterval after a
+// read that worked.
+const (
+	firstRetry = time.Second
+	lastRetry  = 16 * time.Second
+)
+
+// pollBackoff is the forwarder's backoff after a failed read of the
+// outbox (watermill-sql's retried every second, with an ERROR each time:
+// 150 lines in half a minute of a database outage, naming nothing a
+// person could act on). It logs one line per step, naming the database's
+// host, the table and when it tries again, and one when a read works
+// again.
+type pollBackoff struct {
+	log             *slog.Logger
+	database, table string
+	mu              sync.Mutex
+	steps           retrylog.Steps
+	// readErr: the error of the poll's rows (rowsErr), which the
+	// subscriber returns only as "could not close rows".
+	readErr error
+}
+
+func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err != nil && b.readErr != nil {
+		err = b.readErr
+	}
+	b.readErr = nil
+	if err == nil {
+		if recovered, failing := b.steps.Worked(); recovered {
+			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", failing)
+		}
+		if noMsg {
+			return pollInterval
+		}
+		return 0
+	}
+	if errors.Is(err, context.Canceled) {
+		return pollInterval // the stop's: the loop ends at once
+	}
+	if msg := strings.ToLower(err.Error()); strings.Contains(msg, "deadlock") || strings.Contains(msg, "concurrent update") {
+		// Two forwarders taking turns on the table: at once again, as
+		// watermill-sql's own backoff does.
+		b.log.Debug("outbox forwarder: a read lost a race with another forwarder; reading again", "table", b.table, "err", err)
+		return 0
+	}
+	wait, since := b.steps.Failed()
+	level, class, action := retrylog.Class(err)
+	b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder cannot read the outbox on database %s: %s; retrying in %s", b.database, action, wait),
+		"database", b.database, "table", b.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+	return wait
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through

@@ -888,7 +888,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		Logger:                   cfg.Logger,
 		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
-			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
+			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason, true))
 		},
 	})
 	if err != nil {
@@ -997,7 +997,26 @@ func resultsOf(topic string, hook func(idempotency.Result)) func(idempotency.Res
 }
 
 func kafkaLogAttrs(msg *message.Message) []any {
-	return []any{"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset)}
+	return []any{"partition", logPartition(msg), "offset", logOffset(msg)}
+}
+
+// logPartition and logOffset are where msg was read, as numbers in a log
+// line (the metadata keeps them as text: a JSON log had "partition":"0" in
+// one line and "partition":0 in another); as the text when it is none.
+func logPartition(msg *message.Message) any {
+	s := msg.Metadata.Get(MetaKafkaPartition)
+	if p, err := strconv.ParseInt(s, 10, 32); err == nil {
+		return int32(p)
+	}
+	return s
+}
+
+func logOffset(msg *message.Message) any {
+	s := msg.Metadata.Get(MetaKafkaOffset)
+	if o, err := strconv.ParseInt(s, 10, 64); err == nil {
+		return o
+	}
+	return s
 }
 
 // producerCloseTimeout bounds how long closing waits for the producer's

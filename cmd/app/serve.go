@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"regexp"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -183,7 +180,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return nil
 	}
 	if err != nil {
-		return flagNames(err)
+		return err // run names the library's settings as flags
 	}
 	d.log.Info("stopped")
 	return nil
@@ -219,9 +216,8 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 						killHere(d, "e2e: killing this process between the database commit and the offset commit", "event_id", r.EventID, "consumer_group", r.ConsumerGroup)
 					}
 				},
-				OnDeadLetter: func(dl pipeline.DeadLetter) {
-					d.log.Warn("dead-lettered", "topic", dl.Topic, "consumer_group", dl.Group, "partition", dl.Partition, "offset", dl.Offset, "dlq", dl.DLQ, "reason", dl.Reason)
-				},
+				// No OnDeadLetter line: the library logs each dead letter
+				// once (a rejection where it is recorded).
 				OnForwarded: func(f pipeline.Forwarded) {
 					d.log.Debug("forwarded", "topic", f.Topic, "event_id", f.ID)
 					if s.KillAfterForward > 0 && forwards.Add(1) == int64(s.KillAfterForward) {
@@ -244,27 +240,3 @@ func orNone(d time.Duration) time.Duration {
 	}
 	return d
 }
-
-// flagNames names, in an error of the library, the flags (and their
-// environment variables) behind its settings.
-func flagNames(err error) error {
-	var se *once.SettingError
-	if !errors.As(err, &se) {
-		return err
-	}
-	text := err.Error()
-	for field, flag := range settingFlags {
-		text = strings.ReplaceAll(text, field, flag)
-	}
-	text = groupDatabaseSetting.ReplaceAllString(text, "--group-database $1 (ONCE_GROUP_DATABASES)")
-	return errors.New(strings.TrimPrefix(text, "once: "))
-}
-
-var settingFlags = map[string]string{
-	"DatabaseURL":       "DATABASE_URL",
-	"KafkaStartTimeout": "--kafka-start-timeout",
-	"Brokers":           "KAFKA_BROKERS",
-	"Retention:":        "--dedup-retention (ONCE_DEDUP_RETENTION):",
-}
-
-var groupDatabaseSetting = regexp.MustCompile(`GroupDatabases\[([^\]]+)\]`)
