@@ -3,9 +3,13 @@ package migrations
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
+	"slices"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -51,4 +55,68 @@ func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 		applied = append(applied, r.Source.Version)
 	}
 	return applied, nil
+}
+
+// Groups are the consumer groups the migrations make a role for
+// (once_analytics, once_billing: 00010) and a schema each.
+var Groups = []string{"analytics", "billing"}
+
+// Dedicate makes the database of pool a database of groups' own (app
+// migrate --group-database): only their roles keep privileges on the
+// service's tables there, and only they may connect (besides the owner and
+// superusers), so that another group's role reaches nothing of it, not even
+// the library's tables, which all groups' roles get by 00010. Run as the
+// database's owner after [Up], and again after every Up (a later migration
+// may grant every group): it is idempotent. The other groups' schemas stay,
+// empty, because later migrations of theirs change them in every database.
+func Dedicate(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
+	var stmts []string
+	for _, g := range groups {
+		if !slices.Contains(Groups, g) {
+			return fmt.Errorf("migrations: dedicate a database to %q: not a group of the service (%v)", g, Groups)
+		}
+	}
+	var db string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		return fmt.Errorf("migrations: dedicate a database: %w", err)
+	}
+	database := pgx.Identifier{db}.Sanitize()
+	stmts = append(stmts, `REVOKE CONNECT, TEMPORARY ON DATABASE `+database+` FROM PUBLIC`)
+	for _, g := range Groups {
+		role := pgx.Identifier{"once_" + g}.Sanitize()
+		var exists bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)`, "once_"+g).Scan(&exists); err != nil {
+			return fmt.Errorf("migrations: dedicate %s: %w", db, err)
+		}
+		if !exists {
+			continue
+		}
+		if slices.Contains(groups, g) {
+			stmts = append(stmts, `GRANT CONNECT ON DATABASE `+database+` TO `+role)
+			continue
+		}
+		schema := pgx.Identifier{g}.Sanitize()
+		stmts = append(stmts,
+			`REVOKE CONNECT ON DATABASE `+database+` FROM `+role,
+			`REVOKE ALL ON ALL TABLES IN SCHEMA `+schema+` FROM `+role,
+			`REVOKE ALL ON ALL SEQUENCES IN SCHEMA `+schema+` FROM `+role,
+			`REVOKE ALL ON SCHEMA `+schema+` FROM `+role,
+			`ALTER DEFAULT PRIVILEGES IN SCHEMA `+schema+` REVOKE ALL ON TABLES FROM `+role,
+			`ALTER DEFAULT PRIVILEGES IN SCHEMA `+schema+` REVOKE ALL ON SEQUENCES FROM `+role,
+			`REVOKE ALL ON ALL TABLES IN SCHEMA public FROM `+role,
+			`REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM `+role,
+		)
+	}
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for _, s := range stmts {
+			if _, err := tx.Exec(ctx, s); err != nil {
+				var pg *pgconn.PgError
+				if errors.As(err, &pg) && pg.Code == "42501" {
+					return fmt.Errorf("migrations: dedicate database %s to %v: %s: %w (run app migrate as the database's owner, or have its owner run that statement)", db, groups, s, err)
+				}
+				return fmt.Errorf("migrations: dedicate database %s to %v: %s: %w", db, groups, s, err)
+			}
+		}
+		return nil
+	})
 }
