@@ -37,7 +37,8 @@
 -- +goose Up
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION public.once_group_role() RETURNS name
-LANGUAGE sql STABLE AS $fn$
+-- Its catalog, whatever the caller's search_path says.
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
     -- The group role the current user acts as: the first of the groups'
     -- roles it is a member of; NULL for a superuser (a member of every
     -- role) and for a role of neither group.
