@@ -15,8 +15,9 @@
 -- through which the policies apply.
 --
 -- Claims and dead-lettered sources carry their consumer group: a group's
--- role sees and writes the rows of its group (billing, or billing followed
--- by . or - and a suffix, as app serve --group-suffix makes them). A role
+-- role sees and writes the rows of its group: billing, and every name that
+-- starts with it (app serve --group-suffix appends to it; app inbox forget
+-- takes such a name as billing's too). A role
 -- that is neither group's is not restricted by rows; its table privileges
 -- decide, as before.
 --
@@ -69,7 +70,7 @@ BEGIN
         END IF;
         roles := roles || role;
         EXECUTE format('GRANT DELETE ON public.processed_event TO %I', role);
-        own := format('consumer_group = %L OR consumer_group ~ %L', grp, '^' || grp || '[.-]');
+        own := format('starts_with(consumer_group, %L)', grp);
         FOREACH tbl IN ARRAY ARRAY['processed_event', 'once_dead_letter_sources'] LOOP
             EXECUTE format('DROP POLICY IF EXISTS %I ON public.%I', role, tbl);
             EXECUTE format('CREATE POLICY %I ON public.%I TO %I USING (%s) WITH CHECK (%s)', role, tbl, role, own, own);

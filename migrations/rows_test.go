@@ -71,6 +71,7 @@ func TestAGroupsRoleCannotForgeAnotherGroupsRows(t *testing.T) {
 			}{
 				{"insert a claim of analytics", `INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'analytics')`, []any{forged}},
 				{"insert a claim of a suffixed analytics", `INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'analytics.e2e-x')`, []any{forged}},
+				{"insert a claim of analytics suffixed with _", `INSERT INTO processed_event (event_id, consumer_group) VALUES ($1, 'analytics_blue')`, []any{forged}},
 				{"insert a dead-lettered source of analytics", `INSERT INTO once_dead_letter_sources (consumer_group, topic, kafka_partition, kafka_offset, payload_sha256) VALUES ('analytics', $1, 0, 2, '\x00')`, []any{forged.String()}},
 				{"park a letter as analytics", `INSERT INTO once_dead_letter (topic, payload, headers, group_role) VALUES ($1, '\x00', '\x5b5d', 'once_analytics')`, []any{forged.String()}},
 				{"move its claim to analytics", `UPDATE processed_event SET consumer_group = 'analytics' WHERE event_id = $1`, nil},
