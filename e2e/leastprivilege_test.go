@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/shopspring/decimal"
 
@@ -38,11 +39,12 @@ import (
 func TestLeastPrivilegeDatabasePerGroup(t *testing.T) {
 	s := newScenario(t, "24 least privilege, a database per group", 6)
 	ctx := context.Background()
+	// Login roles the development cluster trusts and its PgBouncer admits
+	// (dev/pgbouncer.sh lists billing_svc and analytics_svc).
+	s.requireDevService("postgres")
+	s.requireDevService("pgbouncer")
 	owner := os.Getenv("DATABASE_URL")
-	bouncer := os.Getenv("ONCE_PGBOUNCER_URL")
-	if bouncer == "" {
-		t.Fatal("ONCE_PGBOUNCER_URL is not set: source .dev/env.sh (dev/pgbouncer.sh start)")
-	}
+	bouncer := testenv.Where{Pooled: true, Mode: pgx.QueryExecModeExec}.URL(t)
 	promtool := promtoolPath(t)
 
 	// 1. Databases (this row's own names; the cluster's superuser "once"

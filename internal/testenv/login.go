@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/url"
+	"os"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -29,6 +30,18 @@ func LoginRole(t testing.TB, admin *pgxpool.Pool, login string, roles ...string)
 			t.Fatalf("grant %s to %s: %v", r, login, err)
 		}
 	}
+	// The tests log in as it without a password, as the development
+	// cluster (dev/postgres.sh) lets them; a cluster of one's own may not.
+	cfg := admin.Config().ConnConfig.Copy()
+	cfg.User, cfg.Password = login, ""
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		if os.Getenv("ONCE_EXTERNAL_SERVICES") != "" {
+			t.Skipf("%s cannot log in to this PostgreSQL without a password (the development cluster trusts local logins): %v", login, err)
+		}
+		t.Fatalf("log in as %s: %v", login, err)
+	}
+	_ = conn.Close(ctx)
 }
 
 // URLAs is a PostgreSQL URL with its user replaced by user and, when
