@@ -217,8 +217,18 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 }
 
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
+	progress := forwarderGroup
+	if !initialize {
+		// Forwarder takes no context; the question is one short query.
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		var err error
+		if progress, err = o.progress(ctx, db); err != nil {
+			return nil, err
+		}
+	}
 	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(db), watermillsql.SubscriberConfig{
-		ConsumerGroup:    forwarderGroup,
+		ConsumerGroup:    progress,
 		PollInterval:     50 * time.Millisecond,
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
@@ -228,6 +238,39 @@ func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscrib
 		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
 	return sub, nil
+}
+
+// progress is the name of the forwarder's progress row in db. Where row
+// security restricts the outbox for the current user (a group's role in a
+// database groups share, as the reference service's migrations set up),
+// the forwarder sees only some rows: with the shared progress it would move
+// past the others, and they would never be sent. It then keeps the one
+// progress row of its own that its policy lets it see (named
+// kafka_forwarder: and its scope, made by the migration that made the
+// policy); none, or several, is an error rather than a skipped row.
+func (o *Outbox) progress(ctx context.Context, db pgdb.DB) (string, error) {
+	offsets := o.offsets.MessagesOffsetsTable(topic)
+	var restricted bool
+	if err := db.QueryRow(ctx, `SELECT row_security_active($1::regclass)`, offsets).Scan(&restricted); err != nil {
+		return "", fmt.Errorf("outbox: is %s restricted by row security: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	if !restricted {
+		return forwarderGroup, nil
+	}
+	rows, err := db.Query(ctx, `SELECT consumer_group FROM `+offsets+` WHERE starts_with(consumer_group, $1)`, forwarderGroup+":")
+	if err != nil {
+		return "", fmt.Errorf("outbox: the forwarder's progress in %s: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", fmt.Errorf("outbox: the forwarder's progress in %s: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	if len(names) != 1 {
+		return "", fmt.Errorf("outbox: row security restricts %s for this role, which sees %d progress rows named %s:*, want exactly its own: "+
+			"run the migrations that made its policy (app migrate) as the tables' owner, or forward as a role the policies do not restrict",
+			o.tables.OutboxOffsetsTable(), len(names), forwarderGroup)
+	}
+	return names[0], nil
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through
@@ -258,14 +301,40 @@ const pruneSQL = `DELETE FROM %[1]s WHERE ctid IN (
     AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
   LIMIT $3)`
 
+// pruneScopedSQL is pruneSQL for an outbox whose rows carry their scope
+// (column group_role: the writer's group role, with row security): a row
+// with one was forwarded by its scope's forwarder and acknowledged in its
+// progress (see progress), a row without one in the shared progress.
+const pruneScopedSQL = `DELETE FROM %[1]s WHERE ctid IN (
+  SELECT m.ctid FROM %[1]s m JOIN %[2]s o ON o.consumer_group = CASE WHEN m.group_role IS NULL THEN $1 ELSE $1 || ':' || m.group_role END
+  WHERE (m.transaction_id < o.last_processed_transaction_id
+     OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked))
+    AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+  LIMIT $3)`
+
 // Prune deletes forwarded rows older than olderThan, batch rows per
 // statement, and returns how many it deleted. watermill-sql keeps every row
-// forever; without this the outbox grows with every event.
+// forever; without this the outbox grows with every event. Under a role
+// that row security restricts it prunes the rows it sees against its own
+// progress; under one it does not, rows that carry a scope against their
+// scope's progress.
 func (o *Outbox) Prune(ctx context.Context, db pgdb.DB, olderThan time.Duration, batch int) (int64, error) {
-	q := fmt.Sprintf(pruneSQL, o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic))
+	progress, err := o.progress(ctx, db)
+	if err != nil {
+		return 0, err
+	}
+	messages, offsets := o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic)
+	q := fmt.Sprintf(pruneSQL, messages, offsets)
+	var scoped bool
+	if err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'group_role' AND NOT attisdropped)`, messages).Scan(&scoped); err != nil {
+		return 0, fmt.Errorf("outbox: prune %s: %w", o.tables.OutboxTable(), err)
+	}
+	if scoped && progress == forwarderGroup {
+		q = fmt.Sprintf(pruneScopedSQL, messages, offsets)
+	}
 	var total int64
 	for {
-		tag, err := db.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
+		tag, err := db.Exec(ctx, q, progress, olderThan.Seconds(), batch)
 		if err != nil {
 			return total, fmt.Errorf("outbox: prune %s: %w", o.tables.OutboxTable(), err)
 		}

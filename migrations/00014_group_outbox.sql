@@ -1,0 +1,138 @@
+-- Least privilege inside a database two groups share, continued (00013):
+-- each group's consumer outbox is its own, and a dead letter is its group's
+-- only.
+--
+-- The consumer outbox: row-level security on once_outbox by the role that
+-- wrote the row (group_role, by default once_group_role()), and the
+-- forwarder's progress per group. 00010 granted every group role the whole
+-- outbox: analytics' role could delete billing's unforwarded PaymentCharged
+-- (charged, event lost) or insert one the forwarder would publish. Not an
+-- outbox table per group: package outbox and the pipeline know one outbox
+-- per database, which every group's handlers write in their claim's
+-- transaction; the rule follows the row, as for claims.
+--
+-- A forwarder must never move its progress past a row it cannot see: so a
+-- group role's forwarder keeps its own progress row ('kafka_forwarder:' and
+-- its role), the only progress row its policy lets it see, and package
+-- outbox reads it as its progress whenever row security applies to it. It
+-- sees and forwards its group's rows and the rows written by no group
+-- (group_role NULL: by the owner, or before this migration), which every
+-- group's forwarder may then send (a duplicate, which consumers dedup by
+-- event id, never a loss). Its progress starts where the shared one
+-- (kafka_forwarder) stood, so nothing forwarded before is sent again.
+--
+-- Dead letters: a group role reads, drains and writes only letters tagged
+-- with its own role. Letters parked before 00013 get the group of their
+-- dead-lettered source (once_dead_letter_sources, by topic, partition and
+-- offset of the message); the migrator's own membership stamped by 00013's
+-- default is overwritten from the same source. A letter left NULL (no
+-- source recorded) is the owner's to drain: app dlq replay and serve under
+-- the owner's role see every letter.
+
+-- +goose Up
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION public.once_group_role() RETURNS name
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
+    -- The group role the current user acts as; NULL for a superuser (a
+    -- member of every role), for a role of neither group, and for a role
+    -- that is a member of both (on PostgreSQL 16 and later the CREATEROLE
+    -- owner that created them is): such a role is not one group's, and a
+    -- row it writes under a group's policy is refused rather than given to
+    -- either.
+    SELECT min(r.rolname) FROM pg_roles r
+    WHERE r.rolname IN ('once_analytics', 'once_billing')
+      AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+      AND pg_has_role(current_user, r.oid, 'MEMBER')
+    HAVING count(*) = 1
+$fn$;
+-- +goose StatementEnd
+
+ALTER TABLE public.once_outbox ADD COLUMN IF NOT EXISTS group_role name;
+-- Set after the column is added, so that existing rows stay NULL (a default
+-- given in ADD COLUMN is evaluated for them, as the migrator).
+ALTER TABLE public.once_outbox ALTER COLUMN group_role SET DEFAULT public.once_group_role();
+
+-- +goose StatementBegin
+DO $$
+DECLARE
+    role text;
+    roles text[] := ARRAY[]::text[];
+    others text;
+    tbl text;
+BEGIN
+    -- Dead letters: the group that parked them (Watermill's
+    -- handler_poisoned header, the consumer group of their dead-lettered
+    -- source), whoever migrates: not the migrator's membership, which
+    -- 00013's default stamped on every existing letter.
+    UPDATE public.once_dead_letter d SET group_role = CASE
+            WHEN starts_with(h.grp, 'billing') THEN 'once_billing'
+            WHEN starts_with(h.grp, 'analytics') THEN 'once_analytics' END
+    FROM (SELECT l.id, CASE jsonb_typeof(j.doc)
+                 WHEN 'array' THEN (SELECT convert_from(decode(e->>'v', 'base64'), 'UTF8') FROM jsonb_array_elements(j.doc) e
+                                    WHERE convert_from(decode(e->>'k', 'base64'), 'UTF8') = 'handler_poisoned' LIMIT 1)
+                 WHEN 'object' THEN j.doc->>'handler_poisoned' END AS grp
+          FROM public.once_dead_letter l, LATERAL (SELECT convert_from(l.headers, 'UTF8')::jsonb AS doc) j) h
+    WHERE d.id = h.id;
+
+    FOREACH role IN ARRAY ARRAY['once_analytics', 'once_billing'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
+            RAISE NOTICE 'role % does not exist: a DBA must create it, then run: app migrate again', role;
+            CONTINUE;
+        END IF;
+        roles := roles || role;
+        -- Its letters only: none written by no group, nor tagged for none.
+        EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_dead_letter', role);
+        EXECUTE format('CREATE POLICY %I ON public.once_dead_letter TO %I USING (group_role = %L) WITH CHECK (group_role = %L)', role, role, role, role);
+        -- Its outbox rows: reads them and those of no group, writes its own.
+        FOREACH tbl IN ARRAY ARRAY['read', 'write', 'change', 'remove'] LOOP
+            EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_outbox', role || '_' || tbl);
+        END LOOP;
+        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR SELECT TO %I USING (group_role = %L OR group_role IS NULL)', role || '_read', role, role);
+        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR INSERT TO %I WITH CHECK (group_role = %L)', role || '_write', role, role);
+        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR UPDATE TO %I USING (group_role = %L) WITH CHECK (group_role = %L)', role || '_change', role, role, role);
+        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR DELETE TO %I USING (group_role = %L)', role || '_remove', role, role);
+        -- Its forwarder's progress, starting where the shared one stands.
+        EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_outbox_offsets', role);
+        EXECUTE format('CREATE POLICY %I ON public.once_outbox_offsets TO %I USING (consumer_group = %L) WITH CHECK (consumer_group = %L)',
+            role, role, 'kafka_forwarder:' || role, 'kafka_forwarder:' || role);
+        INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
+        SELECT 'kafka_forwarder:' || role, coalesce(o.offset_acked, 0), coalesce(o.last_processed_transaction_id, '0')
+        FROM (VALUES (1)) v LEFT JOIN public.once_outbox_offsets o ON o.consumer_group = 'kafka_forwarder'
+        ON CONFLICT (consumer_group) DO NOTHING;
+    END LOOP;
+    IF cardinality(roles) = 0 THEN
+        RETURN;
+    END IF;
+    -- Every other role: not restricted by rows (its privileges decide).
+    others := (SELECT string_agg(format('NOT pg_has_role(current_user, %L, ''MEMBER'')', r), ' AND ') FROM unnest(roles) r);
+    FOREACH tbl IN ARRAY ARRAY['once_outbox', 'once_outbox_offsets'] LOOP
+        EXECUTE format('DROP POLICY IF EXISTS once_other_roles ON public.%I', tbl);
+        EXECUTE format('CREATE POLICY once_other_roles ON public.%I USING (%s) WITH CHECK (%s)', tbl, others, others);
+        EXECUTE format('ALTER TABLE public.%I ENABLE ROW LEVEL SECURITY', tbl);
+    END LOOP;
+END $$;
+-- +goose StatementEnd
+
+-- +goose Down
+-- +goose StatementBegin
+DO $$
+DECLARE
+    tbl text;
+    pol record;
+BEGIN
+    FOREACH tbl IN ARRAY ARRAY['once_outbox', 'once_outbox_offsets'] LOOP
+        EXECUTE format('ALTER TABLE public.%I DISABLE ROW LEVEL SECURITY', tbl);
+        FOR pol IN SELECT policyname FROM pg_policies WHERE schemaname = 'public' AND tablename = tbl LOOP
+            EXECUTE format('DROP POLICY %I ON public.%I', pol.policyname, tbl);
+        END LOOP;
+    END LOOP;
+    DELETE FROM public.once_outbox_offsets WHERE starts_with(consumer_group, 'kafka_forwarder:');
+    FOREACH tbl IN ARRAY ARRAY['once_analytics', 'once_billing'] LOOP
+        IF EXISTS (SELECT FROM pg_roles WHERE rolname = tbl) THEN
+            EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_dead_letter', tbl);
+            EXECUTE format('CREATE POLICY %I ON public.once_dead_letter TO %I USING (group_role IS NULL OR group_role = %L) WITH CHECK (group_role IS NULL OR group_role = %L)', tbl, tbl, tbl, tbl);
+        END IF;
+    END LOOP;
+END $$;
+-- +goose StatementEnd
+ALTER TABLE public.once_outbox DROP COLUMN IF EXISTS group_role;

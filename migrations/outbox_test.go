@@ -1,0 +1,176 @@
+package migrations_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/once-dev/once/internal/reftest"
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/schema"
+)
+
+// Finding 1 of priv's review: in the database both groups share, the
+// consumer outbox is each group's own. Logged in as analytics_svc (never
+// SET ROLE), it cannot insert an event billing's forwarder would publish,
+// nor read, change or delete billing's rows or billing's forwarder
+// progress; billing_svc's forwarder still sends every row billing wrote,
+// in a database where analytics' rows come first and it cannot see them.
+func TestAGroupsRoleCannotReachAnotherGroupsOutbox(t *testing.T) {
+	ctx := context.Background()
+	admin := reftest.Postgres(t)
+	testenv.LoginRole(t, admin, "billing_svc", "once_billing")
+	testenv.LoginRole(t, admin, "analytics_svc", "once_analytics")
+	box, err := outbox.New(schema.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	brokers := testenv.Brokers(t)
+
+	for _, where := range testenv.EveryWay {
+		t.Run(where.String(), func(t *testing.T) {
+			billing := testenv.PoolAt(t, testenv.URLAs(where.URL(t), "billing_svc", ""))
+			analytics := testenv.PoolAt(t, testenv.URLAs(where.URL(t), "analytics_svc", ""))
+			topic := testenv.Topic(t, brokers, 1)
+
+			publish := func(pool pgx.Tx, id string) error {
+				return box.Publish(ctx, pool, outbox.Message{Topic: topic, Key: "k", ID: id, Payload: []byte(`"` + id + `"`)})
+			}
+			// Analytics writes first: rows billing's forwarder cannot see
+			// lie before billing's.
+			var analyticsIDs, billingIDs []string
+			for range 3 {
+				id := uuid.NewString()
+				if err := pgx.BeginFunc(ctx, analytics, func(tx pgx.Tx) error { return publish(tx, id) }); err != nil {
+					t.Fatalf("analytics' role writes its outbox: %v", err)
+				}
+				analyticsIDs = append(analyticsIDs, id)
+			}
+			for range 3 {
+				id := uuid.NewString()
+				if err := pgx.BeginFunc(ctx, billing, func(tx pgx.Tx) error { return publish(tx, id) }); err != nil {
+					t.Fatalf("billing's role writes its outbox: %v", err)
+				}
+				billingIDs = append(billingIDs, id)
+			}
+			var tagged int
+			if err := admin.QueryRow(ctx, `SELECT count(*) FROM once_outbox WHERE payload->>'uuid' = ANY($1) AND group_role = 'once_billing'`, billingIDs).Scan(&tagged); err != nil || tagged != 3 {
+				t.Errorf("billing's rows tagged once_billing: %d (%v); want 3", tagged, err)
+			}
+
+			// As analytics_svc against billing's rows and progress.
+			forged := uuid.NewString()
+			for _, st := range []struct {
+				what string
+				sql  string
+				args []any
+			}{
+				{"insert a row as billing's", `INSERT INTO once_outbox (uuid, payload, transaction_id, group_role) VALUES ($1, '{}', pg_current_xact_id(), 'once_billing')`, []any{forged}},
+				{"insert a row of no group", `INSERT INTO once_outbox (uuid, payload, transaction_id, group_role) VALUES ($1, '{}', pg_current_xact_id(), NULL)`, []any{forged}},
+				{"insert billing's progress", `INSERT INTO once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id) VALUES ('kafka_forwarder:once_billing', 0, '0') ON CONFLICT DO NOTHING`, nil},
+				{"insert the shared progress", `INSERT INTO once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id) VALUES ('kafka_forwarder', 0, '0') ON CONFLICT DO NOTHING`, nil},
+				{"move its rows to billing", `UPDATE once_outbox SET group_role = 'once_billing' WHERE payload->>'uuid' = ANY($1)`, []any{analyticsIDs}},
+			} {
+				if _, err := analytics.Exec(ctx, st.sql, st.args...); !refused(err) {
+					t.Errorf("analytics' role may %s: %v; want it refused (42501)", st.what, err)
+				}
+			}
+			for _, st := range []struct {
+				what string
+				sql  string
+				args []any
+			}{
+				{"read billing's rows", `SELECT count(*) FROM once_outbox WHERE payload->>'uuid' = ANY($1)`, []any{billingIDs}},
+				{"read billing's progress", `SELECT count(*) FROM once_outbox_offsets WHERE consumer_group <> 'kafka_forwarder:once_analytics'`, nil},
+			} {
+				var n int
+				if err := analytics.QueryRow(ctx, st.sql, st.args...).Scan(&n); err != nil || n != 0 {
+					t.Errorf("analytics' role could %s: %d rows (%v); want none", st.what, n, err)
+				}
+			}
+			for _, st := range []struct {
+				what string
+				sql  string
+				args []any
+			}{
+				{"delete billing's rows", `DELETE FROM once_outbox WHERE payload->>'uuid' = ANY($1)`, []any{billingIDs}},
+				{"change billing's rows", `UPDATE once_outbox SET payload = '{}' WHERE payload->>'uuid' = ANY($1)`, []any{billingIDs}},
+				{"move billing's progress", `UPDATE once_outbox_offsets SET offset_acked = offset_acked + 1000000 WHERE consumer_group = 'kafka_forwarder:once_billing'`, nil},
+				{"delete billing's progress", `DELETE FROM once_outbox_offsets WHERE consumer_group = 'kafka_forwarder:once_billing'`, nil},
+			} {
+				tag, err := analytics.Exec(ctx, st.sql, st.args...)
+				if !refused(err) && (err != nil || tag.RowsAffected() != 0) {
+					t.Errorf("analytics' role could %s: %d rows (%v); want none", st.what, tag.RowsAffected(), err)
+				}
+			}
+			var rows, forgedRows int
+			if err := admin.QueryRow(ctx, `SELECT count(*) FILTER (WHERE payload->>'uuid' = ANY($1) AND payload::text <> '{}'), count(*) FILTER (WHERE uuid = $2)
+				FROM once_outbox`, billingIDs, forged).Scan(&rows, &forgedRows); err != nil || rows != 3 || forgedRows != 0 {
+				t.Errorf("after analytics' attempts: billing's rows intact %d, forged %d (%v); want 3 and 0", rows, forgedRows, err)
+			}
+
+			// Billing's forwarder under billing_svc sends each of billing's
+			// rows, though analytics' come first and it sees none of them.
+			fw, err := box.Forwarder(billing, outbox.KafkaPublisher{Producer: testenv.Producer(t, brokers)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runCtx, stop := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- fw.Run(runCtx) }()
+			deadline := time.Now().Add(30 * time.Second)
+			for testenv.MessageCount(t, brokers, topic) < 3 && time.Now().Before(deadline) {
+				time.Sleep(100 * time.Millisecond)
+			}
+			stop()
+			<-done
+			var sent []string
+			for _, m := range testenv.ReadTopic(t, brokers, topic) {
+				sent = append(sent, strings.Trim(string(m.Value), `"`))
+			}
+			slices.Sort(sent)
+			if want := slices.Sorted(slices.Values(billingIDs)); !slices.Equal(sent, want) {
+				t.Errorf("billing's forwarder sent %v; want billing's rows %v", sent, want)
+			}
+			_, _ = admin.Exec(ctx, `DELETE FROM once_outbox WHERE payload->>'uuid' = ANY($1) OR payload->>'uuid' = ANY($2)`, billingIDs, analyticsIDs)
+		})
+	}
+}
+
+// Finding 2 of priv's review: a dead letter of no group (group_role NULL:
+// parked by the owner, or before 00013 with no group to backfill) is no
+// group role's: billing_svc cannot read, re-tag or delete it, nor park a
+// letter of no group, which another group's drainer would publish.
+func TestALetterOfNoGroupIsNoGroupRoles(t *testing.T) {
+	ctx := context.Background()
+	admin := reftest.Postgres(t)
+	testenv.LoginRole(t, admin, "billing_svc", "once_billing")
+	billing := testenv.PoolAt(t, testenv.URLAs(testenv.Where{Mode: pgx.QueryExecModeExec, Pooled: true}.URL(t), "billing_svc", ""))
+	var letter int64
+	if err := admin.QueryRow(ctx, `INSERT INTO once_dead_letter (topic, payload, headers, group_role) VALUES ('t', '\x00', '\x5b5d', NULL) RETURNING id`).Scan(&letter); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(ctx, `DELETE FROM once_dead_letter WHERE id = $1`, letter) })
+	var n int
+	if err := billing.QueryRow(ctx, `SELECT count(*) FROM once_dead_letter WHERE id = $1`, letter).Scan(&n); err != nil || n != 0 {
+		t.Errorf("billing's role reads a letter of no group: %d (%v); want none", n, err)
+	}
+	for _, sql := range []string{`UPDATE once_dead_letter SET group_role = 'once_billing' WHERE id = $1`, `DELETE FROM once_dead_letter WHERE id = $1`} {
+		if tag, err := billing.Exec(ctx, sql, letter); !refused(err) && (err != nil || tag.RowsAffected() != 0) {
+			t.Errorf("billing's role: %s: %d rows (%v); want none", sql, tag.RowsAffected(), err)
+		}
+	}
+	if _, err := billing.Exec(ctx, `INSERT INTO once_dead_letter (topic, payload, headers, group_role) VALUES ('t', '\x00', '\x5b5d', NULL)`); !refused(err) {
+		t.Errorf("billing's role parks a letter of no group: %v; want it refused (42501)", err)
+	}
+	var left int
+	if err := admin.QueryRow(ctx, `SELECT count(*) FROM once_dead_letter WHERE id = $1 AND group_role IS NULL`, letter).Scan(&left); err != nil || left != 1 {
+		t.Errorf("the letter of no group after billing's attempts: %d (%v); want it untouched", left, err)
+	}
+}
