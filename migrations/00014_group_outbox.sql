@@ -47,6 +47,19 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
 $fn$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION public.once_in_a_group() RETURNS boolean
+LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
+    -- Whether the current user is a member of a group role (a superuser
+    -- is not taken for one), asked at each query: a role missing now and
+    -- created later counts from then on.
+    SELECT EXISTS (SELECT FROM pg_roles r
+        WHERE r.rolname IN ('once_analytics', 'once_billing')
+          AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+          AND pg_has_role(current_user, r.oid, 'MEMBER'))
+$fn$;
+-- +goose StatementEnd
+
 ALTER TABLE public.once_outbox ADD COLUMN IF NOT EXISTS group_role name;
 -- Set after the column is added, so that existing rows stay NULL (a default
 -- given in ADD COLUMN is evaluated for them, as the migrator).
@@ -55,9 +68,6 @@ ALTER TABLE public.once_outbox ALTER COLUMN group_role SET DEFAULT public.once_g
 -- +goose StatementBegin
 DO $$
 DECLARE
-    role text;
-    roles text[] := ARRAY[]::text[];
-    others text;
     tbl text;
 BEGIN
     -- Dead letters: the group that parked them (Watermill's
@@ -74,40 +84,15 @@ BEGIN
           FROM public.once_dead_letter l, LATERAL (SELECT convert_from(l.headers, 'UTF8')::jsonb AS doc) j) h
     WHERE d.id = h.id;
 
-    FOREACH role IN ARRAY ARRAY['once_analytics', 'once_billing'] LOOP
-        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role) THEN
-            RAISE NOTICE 'role % does not exist: a DBA must create it, then run: app migrate again', role;
-            CONTINUE;
-        END IF;
-        roles := roles || role;
-        -- Its letters only: none written by no group, nor tagged for none.
-        EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_dead_letter', role);
-        EXECUTE format('CREATE POLICY %I ON public.once_dead_letter TO %I USING (group_role = %L) WITH CHECK (group_role = %L)', role, role, role, role);
-        -- Its outbox rows: reads them and those of no group, writes its own.
-        FOREACH tbl IN ARRAY ARRAY['read', 'write', 'change', 'remove'] LOOP
-            EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_outbox', role || '_' || tbl);
-        END LOOP;
-        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR SELECT TO %I USING (group_role = %L OR group_role IS NULL)', role || '_read', role, role);
-        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR INSERT TO %I WITH CHECK (group_role = %L)', role || '_write', role, role);
-        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR UPDATE TO %I USING (group_role = %L) WITH CHECK (group_role = %L)', role || '_change', role, role, role);
-        EXECUTE format('CREATE POLICY %I ON public.once_outbox FOR DELETE TO %I USING (group_role = %L)', role || '_remove', role, role);
-        -- Its forwarder's progress, starting where the shared one stands.
-        EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_outbox_offsets', role);
-        EXECUTE format('CREATE POLICY %I ON public.once_outbox_offsets TO %I USING (consumer_group = %L) WITH CHECK (consumer_group = %L)',
-            role, role, 'kafka_forwarder:' || role, 'kafka_forwarder:' || role);
-        INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
-        SELECT 'kafka_forwarder:' || role, coalesce(o.offset_acked, 0), coalesce(o.last_processed_transaction_id, '0')
-        FROM (VALUES (1)) v LEFT JOIN public.once_outbox_offsets o ON o.consumer_group = 'kafka_forwarder'
-        ON CONFLICT (consumer_group) DO NOTHING;
-    END LOOP;
-    IF cardinality(roles) = 0 THEN
-        RETURN;
-    END IF;
-    -- Every other role: not restricted by rows (its privileges decide).
-    others := (SELECT string_agg(format('NOT pg_has_role(current_user, %L, ''MEMBER'')', r), ' AND ') FROM unnest(roles) r);
-    FOREACH tbl IN ARRAY ARRAY['once_outbox', 'once_outbox_offsets'] LOOP
+    -- Row security on the five tables, whichever group roles exist now:
+    -- a role of neither group is not restricted by rows (its privileges
+    -- decide); a group's role sees only what its policies, which
+    -- migrations.Grant makes once the role exists, let it see. Asked at
+    -- each query (once_in_a_group), so that a group role created after
+    -- this migration is not taken for another role, unrestricted.
+    FOREACH tbl IN ARRAY ARRAY['processed_event', 'once_dead_letter_sources', 'once_dead_letter', 'once_outbox', 'once_outbox_offsets'] LOOP
         EXECUTE format('DROP POLICY IF EXISTS once_other_roles ON public.%I', tbl);
-        EXECUTE format('CREATE POLICY once_other_roles ON public.%I USING (%s) WITH CHECK (%s)', tbl, others, others);
+        EXECUTE format('CREATE POLICY once_other_roles ON public.%I USING (NOT public.once_in_a_group()) WITH CHECK (NOT public.once_in_a_group())', tbl);
         EXECUTE format('ALTER TABLE public.%I ENABLE ROW LEVEL SECURITY', tbl);
     END LOOP;
 END $$;
@@ -127,6 +112,13 @@ BEGIN
         END LOOP;
     END LOOP;
     DELETE FROM public.once_outbox_offsets WHERE starts_with(consumer_group, 'kafka_forwarder:');
+    -- 00013's rule for other roles, naming the group roles that exist.
+    FOREACH tbl IN ARRAY ARRAY['processed_event', 'once_dead_letter_sources', 'once_dead_letter'] LOOP
+        EXECUTE format('DROP POLICY IF EXISTS once_other_roles ON public.%I', tbl);
+        EXECUTE format('CREATE POLICY once_other_roles ON public.%I USING (%s) WITH CHECK (%s)', tbl,
+            coalesce((SELECT string_agg(format('NOT pg_has_role(current_user, %L, ''MEMBER'')', rolname), ' AND ') FROM pg_roles WHERE rolname IN ('once_analytics', 'once_billing')), 'true'),
+            coalesce((SELECT string_agg(format('NOT pg_has_role(current_user, %L, ''MEMBER'')', rolname), ' AND ') FROM pg_roles WHERE rolname IN ('once_analytics', 'once_billing')), 'true'));
+    END LOOP;
     FOREACH tbl IN ARRAY ARRAY['once_analytics', 'once_billing'] LOOP
         IF EXISTS (SELECT FROM pg_roles WHERE rolname = tbl) THEN
             EXECUTE format('DROP POLICY IF EXISTS %I ON public.once_dead_letter', tbl);
@@ -136,3 +128,4 @@ BEGIN
 END $$;
 -- +goose StatementEnd
 ALTER TABLE public.once_outbox DROP COLUMN IF EXISTS group_role;
+DROP FUNCTION IF EXISTS public.once_in_a_group();

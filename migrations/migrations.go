@@ -22,8 +22,9 @@ import (
 var files embed.FS
 
 // Up applies the library's tables (package schema, in public) and then every
-// pending migration of the reference service, and returns the versions of
-// the latter it applied.
+// pending migration of the reference service, then, if it applied any,
+// [Grant] for every group, and returns the versions of the migrations it
+// applied.
 func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 	if _, err := schema.Migrate(ctx, pool, schema.Config{}); err != nil {
 		return nil, err
@@ -53,6 +54,11 @@ func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 	applied := make([]int64, 0, len(results))
 	for _, r := range results {
 		applied = append(applied, r.Source.Version)
+	}
+	if len(applied) > 0 {
+		if err := Grant(ctx, pool, Groups); err != nil {
+			return applied, err
+		}
 	}
 	return applied, nil
 }

@@ -88,6 +88,15 @@ func (m *migrateCmd) migrate(ctx context.Context, d deps, t migrateTarget, main 
 		return err
 	}
 	defer pool.Close()
+	// Every time, not only when something was pending: a group role that
+	// did not exist when a migration ran got nothing from it.
+	grant := migrations.Groups
+	if t.groups != nil {
+		grant = t.groups
+	}
+	if err := migrations.Grant(ctx, pool, grant); err != nil {
+		return err
+	}
 	if t.groups != nil {
 		if err := migrations.Dedicate(ctx, pool, t.groups); err != nil {
 			return err
