@@ -82,9 +82,18 @@ func Dedicate(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 			return fmt.Errorf("migrations: dedicate a database to %q: not a group of the service (%v)", g, Groups)
 		}
 	}
-	var db string
-	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+	// A role that does not own the database gets only a warning from
+	// REVOKE CONNECT ... FROM PUBLIC, which leaves CONNECT open: refuse
+	// it, naming the owner to run it as.
+	var db, owner string
+	var owns bool
+	if err := pool.QueryRow(ctx, `SELECT d.datname, pg_get_userbyid(d.datdba),
+		pg_has_role(current_user, d.datdba, 'USAGE') OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+		FROM pg_database d WHERE d.datname = current_database()`).Scan(&db, &owner, &owns); err != nil {
 		return fmt.Errorf("migrations: dedicate a database: %w", err)
+	}
+	if !owns {
+		return fmt.Errorf("migrations: dedicate database %s to %v: the current role does not own it, and CONNECT would stay open to PUBLIC: run app migrate as its owner, %s", db, groups, owner)
 	}
 	database := pgx.Identifier{db}.Sanitize()
 	stmts = append(stmts, `REVOKE CONNECT, TEMPORARY ON DATABASE `+database+` FROM PUBLIC`)
@@ -113,7 +122,7 @@ func Dedicate(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 			`REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM `+role,
 		)
 	}
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, s := range stmts {
 			if _, err := tx.Exec(ctx, s); err != nil {
 				var pg *pgconn.PgError
@@ -125,4 +134,17 @@ func Dedicate(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 		}
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	// What PostgreSQL did, not what was asked: a revoke it could not make
+	// is only a warning.
+	var open bool
+	if err := pool.QueryRow(ctx, `SELECT has_database_privilege('public', current_database(), 'CONNECT')`).Scan(&open); err != nil {
+		return fmt.Errorf("migrations: dedicate database %s: check CONNECT: %w", db, err)
+	}
+	if open {
+		return fmt.Errorf("migrations: dedicate database %s to %v: PUBLIC may still connect: run app migrate as its owner, %s", db, groups, owner)
+	}
+	return nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/schema"
 )
@@ -172,5 +173,37 @@ func TestALetterOfNoGroupIsNoGroupRoles(t *testing.T) {
 	var left int
 	if err := admin.QueryRow(ctx, `SELECT count(*) FROM once_dead_letter WHERE id = $1 AND group_role IS NULL`, letter).Scan(&left); err != nil || left != 1 {
 		t.Errorf("the letter of no group after billing's attempts: %d (%v); want it untouched", left, err)
+	}
+}
+
+// Finding 4 of priv's review: Dedicate run by a role that does not own the
+// database (REVOKE ... FROM PUBLIC by a non-owner only warns) reported
+// success and left CONNECT open to PUBLIC. It now refuses, naming the
+// owner to run it as, and CONNECT is as it was.
+func TestDedicateByANonOwnerFailsNamingTheOwner(t *testing.T) {
+	ctx := context.Background()
+	admin := reftest.Postgres(t)
+	db := testenv.OtherPostgres(t, "once_dedicate_stranger")
+	if _, err := migrations.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ctx, `GRANT CONNECT ON DATABASE once_dedicate_stranger TO PUBLIC`); err != nil {
+		t.Fatal(err)
+	}
+	testenv.LoginRole(t, admin, "dedicate_stranger")
+	stranger := testenv.PoolAt(t, testenv.URLAs(testenv.Where{Mode: pgx.QueryExecModeExec}.URL(t), "dedicate_stranger", "once_dedicate_stranger"))
+	var owner string
+	if err := db.QueryRow(ctx, `SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = current_database()`).Scan(&owner); err != nil {
+		t.Fatal(err)
+	}
+	// Both groups: no table of another group's to revoke, only CONNECT,
+	// whose revoke by a non-owner is a warning.
+	err := migrations.Dedicate(ctx, stranger, []string{"analytics", "billing"})
+	if err == nil || !strings.Contains(err.Error(), "its owner, "+owner) {
+		t.Errorf("Dedicate as a role that does not own the database: %v; want an error naming its owner %s", err, owner)
+	}
+	var open bool
+	if err := db.QueryRow(ctx, `SELECT has_database_privilege('public', current_database(), 'CONNECT')`).Scan(&open); err != nil || !open {
+		t.Errorf("PUBLIC CONNECT after the refused Dedicate: %v (%v); want it as it was (granted)", open, err)
 	}
 }
