@@ -48,7 +48,8 @@ ON CONFLICT (consumer_group) DO NOTHING;
 `
 
 // Grant gives the roles of groups (once_GROUP) what the migrations grant
-// them, and their row-level security policies, in the database of pool. A
+// them, and their row-level security policies, in the database of pool,
+// and CONNECT to it. A
 // role that does not exist when a migration runs (an owner without
 // CREATEROLE) gets nothing from it, and the migration is recorded applied
 // all the same: so [Up] runs this after the migrations it applied, and app
@@ -81,10 +82,19 @@ func Grant(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 			"have a role with CREATEROLE run %s then run app migrate again, which grants them their tables and row-level security policies",
 			strings.Join(missing, ", "), strings.Join(create, " "))
 	}
+	var db string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		return fmt.Errorf("migrations: grant to the group roles: %w", err)
+	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		for _, g := range groups {
 			role := "once_" + g
 			id := func(s string) string { return pgx.Identifier{s}.Sanitize() }
+			// CONNECT too: a database once made another group's own by
+			// mistake (PUBLIC's CONNECT revoked) serves this group again.
+			if _, err := tx.Exec(ctx, `GRANT CONNECT ON DATABASE `+id(db)+` TO `+id(role)); err != nil {
+				return fmt.Errorf("migrations: grant %s CONNECT on %s: %w (run app migrate as the database's owner)", role, db, err)
+			}
 			lit := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 			sql := fmt.Sprintf(groupGrantsSQL, lit(role), id(role), id(g), lit(g),
 				id(role+"_read"), id(role+"_write"), id(role+"_change"), id(role+"_remove"), lit("kafka_forwarder:"+role))

@@ -95,3 +95,67 @@ func TestAppMigrateGrantsARoleMadeAfterTheMigrations(t *testing.T) {
 		t.Errorf("Grant with once_ghost missing: %v; want an error naming the statement that creates it and the re-run", err)
 	}
 }
+
+// Finding 5 of priv's review: app migrate told databases apart by the text
+// of their URLs, so the main database written another way in
+// --group-database (here with a parameter) was made billing's own:
+// analytics lost its grants there and PUBLIC its CONNECT. Databases are now
+// known by the server's identity; two groups naming one database of their
+// own are refused; and a run after such a mistake gives the main
+// database's groups back their privileges and CONNECT.
+func TestAppMigrateKnowsTheMainDatabaseWrittenAnotherWay(t *testing.T) {
+	ctx := context.Background()
+	main := testenv.OtherPostgres(t, "once_ident_main")
+	testenv.OtherPostgres(t, "once_ident_both")
+	base := testenv.Where{Mode: pgx.QueryExecModeCacheStatement}.URL(t)
+	owner := testenv.URLAs(base, "once", "once_ident_main")
+	sep := "?"
+	if strings.Contains(owner, "?") {
+		sep = "&"
+	}
+	sameMain := owner + sep + "application_name=billing-migrate"
+	if out, err := runApp(t, "migrate", "--database-url", owner); err != nil {
+		t.Fatalf("app migrate: %v\n%s", err, out)
+	}
+	check := func(when string) {
+		t.Helper()
+		var public, analytics bool
+		if err := main.QueryRow(ctx, `SELECT has_database_privilege('public', current_database(), 'CONNECT'),
+			has_table_privilege('once_analytics', 'public.processed_event', 'INSERT') AND has_schema_privilege('once_analytics', 'analytics', 'USAGE')`).Scan(&public, &analytics); err != nil {
+			t.Fatal(err)
+		}
+		if !public || !analytics {
+			t.Errorf("%s: main database: PUBLIC connects %v, analytics' role keeps its grants %v; want both", when, public, analytics)
+		}
+	}
+	if out, err := runApp(t, "migrate", "--database-url", owner, "--group-database", "billing="+sameMain); err != nil {
+		t.Fatalf("app migrate with billing's database the main one written another way: %v\n%s", err, out)
+	}
+	check("billing's database the main one, written another way")
+
+	// Two groups on one database of their own: refused, naming both.
+	both := testenv.URLAs(base, "once", "once_ident_both")
+	out, err := runApp(t, "migrate", "--database-url", owner, "--group-database", "billing="+both+";analytics="+both)
+	if err == nil || !strings.Contains(out+err.Error(), "name one database") {
+		t.Errorf("app migrate with billing and analytics on one database of their own: %v\n%s; want it refused", err, out)
+	}
+
+	// The mistake made before the fix: the main database made billing's
+	// own. The next run gives analytics its grants and CONNECT back.
+	if err := migrations.Dedicate(ctx, main, []string{"billing"}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := runApp(t, "migrate", "--database-url", owner); err != nil {
+		t.Fatalf("app migrate after the mistake: %v\n%s", err, out)
+	}
+	// PUBLIC's CONNECT is the operator's to give back (it may have been
+	// revoked on purpose); the groups' roles get theirs.
+	var connect, analytics bool
+	if err := main.QueryRow(ctx, `SELECT has_database_privilege('once_analytics', current_database(), 'CONNECT'),
+		has_table_privilege('once_analytics', 'public.processed_event', 'INSERT') AND has_schema_privilege('once_analytics', 'analytics', 'USAGE')`).Scan(&connect, &analytics); err != nil || !connect || !analytics {
+		t.Errorf("a run after the main database was made billing's own: once_analytics connects %v, keeps its grants %v (%v); want both", connect, analytics, err)
+	}
+	if _, err := main.Exec(ctx, `GRANT CONNECT ON DATABASE once_ident_main TO PUBLIC`); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -47,27 +47,62 @@ type migrateTarget struct {
 	groups []string
 }
 
-// targets are the main database, then each group's own, once each.
-func (m *migrateCmd) targets() []migrateTarget {
+// targets are the main database, then each group's own, once each. A
+// database is known by what the server says it is (the cluster's system
+// identifier, or its address, and the database's name), not by the text
+// of its URL: the main database written another way in --group-database
+// (another host name, a parameter) is still the main one, which serves
+// every group, and must not be made one group's own.
+func (m *migrateCmd) targets(ctx context.Context) ([]migrateTarget, error) {
+	mainID, err := databaseIdentity(ctx, m.DB)
+	if err != nil {
+		return nil, err
+	}
 	out := []migrateTarget{{db: m.DB}}
 	at := map[string]int{}
 	for _, g := range slices.Sorted(maps.Keys(m.GroupDatabases)) {
-		url := m.GroupDatabases[g]
-		if url == m.DB.DatabaseURL {
+		db := m.DB.forGroup(m.GroupDatabases[g])
+		id, err := databaseIdentity(ctx, db)
+		if err != nil {
+			return nil, err
+		}
+		if id == mainID {
 			continue
 		}
-		if i, ok := at[url]; ok {
-			out[i].groups = append(out[i].groups, g)
-			continue
+		if i, ok := at[id]; ok {
+			return nil, fmt.Errorf("--group-database (ONCE_GROUP_DATABASES): %s and %s name one database (%s): a database of a group's own serves that group alone "+
+				"(its CONNECT is its group's); give each group its own, or leave both in the main database", out[i].groups[0], g, id)
 		}
-		at[url] = len(out)
-		out = append(out, migrateTarget{db: m.DB.forGroup(url), groups: []string{g}})
+		at[id] = len(out)
+		out = append(out, migrateTarget{db: db, groups: []string{g}})
 	}
-	return out
+	return out, nil
+}
+
+// databaseIdentity is the database db names, as the server knows it.
+func databaseIdentity(ctx context.Context, db dbSettings) (string, error) {
+	pool, err := db.connect(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer pool.Close()
+	var id string
+	if err := pool.QueryRow(ctx, `SELECT (SELECT system_identifier FROM pg_control_system())::text || '/' || current_database()`).Scan(&id); err == nil {
+		return id, nil
+	}
+	// pg_control_system() may be revoked from PUBLIC: the server's address.
+	if err := pool.QueryRow(ctx, `SELECT coalesce(host(inet_server_addr()), 'socket') || ':' || current_setting('port') || '/' || current_database()`).Scan(&id); err != nil {
+		return "", fmt.Errorf("%s: which database: %w", db.setting(), err)
+	}
+	return id, nil
 }
 
 func (m *migrateCmd) Run(ctx context.Context, d deps) error {
-	for i, t := range m.targets() {
+	targets, err := m.targets(ctx)
+	if err != nil {
+		return err
+	}
+	for i, t := range targets {
 		if err := m.migrate(ctx, d, t, i == 0); err != nil {
 			if t.groups != nil {
 				return fmt.Errorf("%s: %w", t.db.setting(), err)
