@@ -32,10 +32,17 @@ import (
 // group's app serve under its login role, on its database, through
 // PgBouncer, with --no-migrate and --maintenance-interval 0; 5. app
 // maintain, the only retention, as the owner with --metrics-file (twice, as
-// cron ticks); 6. Forget under billing_svc. The order service's load; 0
-// double charges, 0 lost. At the end the services' /metrics and maintain's
-// file are evaluated by the alert rules (promtool test rules): none fires;
-// and, the control, without maintain's file OnceRetentionFailing does.
+// cron ticks); 6. Forget under billing_svc. The order service's load, with
+// declined orders (billing parks their dead letters, which its drainer
+// sends under billing_svc through PgBouncer) and cancellations; 0 double
+// charges, 0 lost, each declined order dead-lettered once. The services'
+// /metrics are scraped before the load and after it, and the rules are
+// evaluated (promtool test rules) over the series moving from the one to
+// the other: while the load runs the dead letters make
+// OnceDeadLettersGrowing's expression true (what the row expects of
+// declines: someone has to look at them); at the end, 4h later, no alert
+// fires; and, the control, without maintain's file OnceRetentionFailing
+// does.
 func TestLeastPrivilegeDatabasePerGroup(t *testing.T) {
 	s := newScenario(t, "24 least privilege, a database per group", 6)
 	ctx := context.Background()
@@ -66,6 +73,8 @@ func TestLeastPrivilegeDatabasePerGroup(t *testing.T) {
 	orders := s.startOrders()
 	billing := s.serveAs("billing", testenv.URLAs(bouncer, "billing_svc", names[billingGroup]))
 	analytics := s.serveAs("analytics", testenv.URLAs(bouncer, "analytics_svc", names[analyticsGroup]))
+	s.exactlyOnceDLQ = true
+	before := map[string]string{"billing": scrapeWhenUp(t, billing), "analytics": scrapeWhenUp(t, analytics)}
 
 	// 5. app maintain as the cron job: a tick during the load, one after.
 	metricsFile := filepath.Join(s.dir, "once_maintain.prom")
@@ -75,8 +84,12 @@ func TestLeastPrivilegeDatabasePerGroup(t *testing.T) {
 	n := scale(200)
 	for i := range n {
 		s.placeOrder(orders, decimal.New(int64(100+i*37%9000), -2))
-		if i == n/2 {
+		switch i {
+		case n / 4:
+			s.publishDeclined(3)
+		case n / 2:
 			maintain()
+			s.cancel(s.events[:10])
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -109,7 +122,7 @@ func TestLeastPrivilegeDatabasePerGroup(t *testing.T) {
 		t.Fatal(err)
 	}
 	rules := filepath.Join(repoRoot, "ops", "prometheus", "once.rules.yml")
-	test := alertTest(t, rules, scraped, string(file), time.Now())
+	test := alertTest(t, rules, before, scraped, string(file), time.Now())
 	path := filepath.Join(s.dir, "alerts.test.yml")
 	if err := os.WriteFile(path, []byte(test), 0o644); err != nil {
 		t.Fatal(err)
@@ -149,6 +162,16 @@ func (s *scenario) runToEnd(name string, env []string, args ...string) {
 	}
 }
 
+// scrapeWhenUp is scrape once p logged its operations endpoint (within 30s).
+func scrapeWhenUp(t *testing.T, p *proc) string {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for len(logLinesOf(p, "operations endpoint")) == 0 && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	return scrape(t, p)
+}
+
 // scrape reads p's /metrics once its operations endpoint is up.
 func scrape(t *testing.T, p *proc) string {
 	t.Helper()
@@ -173,18 +196,72 @@ func scrape(t *testing.T, p *proc) string {
 	return b.String()
 }
 
-// evalAt is when promtool evaluates the rules: the scrape's moment on the
-// test's own timeline, which starts at 0, four hours after it began.
-const evalAt = 4 * time.Hour
+// The rules' timeline (promtool's, from 0): the scrape before the load
+// held for loadAt, the load's change spread over loadFor, the scrape after
+// it held to evalAt.
+const (
+	loadAt  = time.Hour
+	loadFor = 10 * time.Minute
+	evalAt  = 4 * time.Hour
+)
 
-// alertTest is a promtool rule test of rules over the scraped samples, each
-// held from the timeline's start to evalAt: no alert of rules may fire.
-// Timestamps (…_timestamp_seconds) move with the timeline, scrapedAt to
-// evalAt; 0 (never) stays 0. A second group, the control, has the
-// services' samples alone: OnceRetentionFailing must fire, four hours
-// after the timeline's start, so that the first group's silence is
-// maintain's file's doing.
-func alertTest(t *testing.T, rules string, services map[string]string, maintain string, scrapedAt time.Time) string {
+// sample is one scraped series: its selector with instance, and value.
+type sample struct {
+	sel, metric string
+	labels      map[string]string
+	value       float64
+}
+
+// samples parses a /metrics text; each series gets label instance.
+func samples(instance, text string) []sample {
+	var out []sample
+	for _, line := range strings.Split(text, "\n") {
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		name, value := line[:i], line[i+1:]
+		v, err := strconv.ParseFloat(value, 64)
+		if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
+			continue
+		}
+		metric, labels, _ := strings.Cut(name, "{")
+		labels = strings.TrimSuffix(labels, "}")
+		set := map[string]string{}
+		for _, m := range regexp.MustCompile(`(\w+)="((?:[^"\\]|\\.)*)"`).FindAllStringSubmatch(labels, -1) {
+			set[m[1]] = m[2]
+		}
+		if labels != "" {
+			labels += ","
+		}
+		out = append(out, sample{sel: fmt.Sprintf(`%s{%sinstance="%s"}`, metric, labels, instance), metric: metric, labels: set, value: v})
+	}
+	return out
+}
+
+// isCounter: a series that only grows, 0 before it is first exported.
+func isCounter(metric string) bool {
+	for _, suffix := range []string{"_total", "_count", "_sum", "_bucket"} {
+		if strings.HasSuffix(metric, suffix) {
+			return true
+		}
+	}
+	return false
+}
+
+// alertTest is a promtool rule test of rules over the services' scrapes
+// before and after the load (moving from the one to the other over the
+// timeline's load, as Prometheus would have scraped them) and maintain's
+// file. Counters, dead letters among them, really increase, so that the
+// rate and increase alerts are evaluated over real change, not a constant:
+// while the load is on, OnceDeadLettersGrowing's expression must be true
+// for each topic and group whose dead letters grew (at least one: the
+// declines); at evalAt no alert may fire. Timestamps
+// (…_timestamp_seconds) move with the timeline, scrapedAt to evalAt; 0
+// (never) stays 0. A second group, the control, has the services' samples
+// alone: OnceRetentionFailing must fire at evalAt, so that the first
+// group's silence is maintain's file's doing.
+func alertTest(t *testing.T, rules string, before, after map[string]string, maintain string, scrapedAt time.Time) string {
 	t.Helper()
 	b, err := os.ReadFile(rules)
 	if err != nil {
@@ -197,47 +274,74 @@ func alertTest(t *testing.T, rules string, services map[string]string, maintain 
 	if len(alerts) == 0 {
 		t.Fatalf("no alert in %s", rules)
 	}
-	steps := int(evalAt / time.Minute)
-	series := func(instance, text string) []string {
-		var out []string
-		for _, line := range strings.Split(text, "\n") {
-			if line == "" || strings.HasPrefix(line, "#") {
-				continue
-			}
-			i := strings.LastIndexByte(line, ' ')
-			name, value := line[:i], line[i+1:]
-			v, err := strconv.ParseFloat(value, 64)
-			if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
-				continue
-			}
-			metric, labels, _ := strings.Cut(name, "{")
-			if strings.HasSuffix(metric, "_timestamp_seconds") && v > 0 {
-				v = v - float64(scrapedAt.UnixNano())/1e9 + evalAt.Seconds()
-			}
-			labels = strings.TrimSuffix(labels, "}")
-			if labels != "" {
-				labels += ","
-			}
-			sel := fmt.Sprintf(`%s{%sinstance="%s"}`, metric, labels, instance)
-			out = append(out, fmt.Sprintf("      - series: '%s'\n        values: '%s+0x%d'\n",
-				strings.ReplaceAll(sel, "'", "''"), strconv.FormatFloat(v, 'f', -1, 64), steps))
+	growing := regexp.MustCompile(`(?m)^\s*- alert: OnceDeadLettersGrowing\n(?:\s*#.*\n)*\s*expr: (.+)$`).FindStringSubmatch(string(b))
+	if growing == nil {
+		t.Fatalf("no OnceDeadLettersGrowing with a one-line expr in %s", rules)
+	}
+	held := int(loadAt/time.Minute) - 1
+	ramp := int(loadFor / time.Minute)
+	rest := int((evalAt-loadAt-loadFor)/time.Minute) - 1
+	num := func(v float64) string { return strconv.FormatFloat(v, 'f', -1, 64) }
+	series := func(sel, values string) string {
+		return fmt.Sprintf("      - series: '%s'\n        values: '%s'\n", strings.ReplaceAll(sel, "'", "''"), values)
+	}
+	deadLettered := map[[2]string]float64{}
+	var servicesOnly []string
+	for _, instance := range sortedKeys(after) {
+		start := map[string]float64{}
+		for _, x := range samples(instance, before[instance]) {
+			start[x.sel] = x.value
 		}
-		return out
+		for _, x := range samples(instance, after[instance]) {
+			if strings.HasSuffix(x.metric, "_timestamp_seconds") {
+				v := x.value
+				if v > 0 {
+					v = v - float64(scrapedAt.UnixNano())/1e9 + evalAt.Seconds()
+				}
+				servicesOnly = append(servicesOnly, series(x.sel, fmt.Sprintf("%s+0x%d", num(v), int(evalAt/time.Minute))))
+				continue
+			}
+			s0, ok := start[x.sel]
+			if !ok && !isCounter(x.metric) {
+				s0 = x.value // a gauge first exported during the load: as it is now
+			}
+			step := (x.value - s0) / float64(ramp)
+			sign := "+"
+			if step < 0 {
+				sign, step = "-", -step
+			}
+			servicesOnly = append(servicesOnly, series(x.sel, fmt.Sprintf("%s+0x%d %s%s%sx%d %s+0x%d", num(s0), held, num(s0), sign, num(step), ramp, num(x.value), rest)))
+			if x.metric == "once_messages_total" && x.labels["outcome"] == "dead_lettered" {
+				deadLettered[[2]string{x.labels["topic"], x.labels["group"]}] += x.value - s0
+			}
+		}
 	}
-	var all, servicesOnly []string
-	for _, instance := range sortedKeys(services) {
-		servicesOnly = append(servicesOnly, series(instance, services[instance])...)
+	grew := 0
+	for _, d := range deadLettered {
+		if d > 0 {
+			grew++
+		}
 	}
-	all = append(append(all, servicesOnly...), series("maintain", maintain)...)
-	if len(series("maintain", maintain)) != 1 {
+	if grew == 0 {
+		t.Errorf("no dead letter counted between the scrapes (%v): the declines were not parked, and OnceDeadLettersGrowing is not exercised", deadLettered)
+	}
+	var file []string
+	for _, x := range samples("maintain", maintain) {
+		v := x.value - float64(scrapedAt.UnixNano())/1e9 + evalAt.Seconds()
+		file = append(file, series(x.sel, fmt.Sprintf("%s+0x%d", num(v), int(evalAt/time.Minute))))
+	}
+	if len(file) != 1 {
 		t.Fatalf("maintain's file holds no last success:\n%s", maintain)
 	}
+	all := append(append([]string(nil), servicesOnly...), file...)
 	var w strings.Builder
 	fmt.Fprintf(&w, "rule_files:\n  - %s\nevaluation_interval: 1m\ntests:\n", rules)
-	fmt.Fprintf(&w, "  - name: the least-privilege row's metrics fire no alert\n    interval: 1m\n    input_series:\n%s    alert_rule_test:\n", strings.Join(all, ""))
+	fmt.Fprintf(&w, "  - name: the least-privilege row's metrics fire no alert at the end\n    interval: 1m\n    input_series:\n%s    alert_rule_test:\n", strings.Join(all, ""))
 	for _, a := range alerts {
 		fmt.Fprintf(&w, "      - eval_time: %s\n        alertname: %s\n        exp_alerts: []\n", promDuration(evalAt), a)
 	}
+	fmt.Fprintf(&w, "    promql_expr_test:\n      - expr: 'count(%s)'\n        eval_time: %s\n        exp_samples:\n          - labels: '{}'\n            value: %d\n",
+		strings.ReplaceAll(strings.TrimSpace(growing[1]), "'", "''"), promDuration(loadAt+loadFor), grew)
 	fmt.Fprintf(&w, "  - name: without maintain's file the retention alert fires\n    interval: 1m\n    input_series:\n%s    alert_rule_test:\n", strings.Join(servicesOnly, ""))
 	fmt.Fprintf(&w, "      - eval_time: %s\n        alertname: OnceRetentionFailing\n        exp_alerts:\n          - exp_labels: {severity: warning}\n"+
 		"            exp_annotations:\n              summary: \"no retention pass succeeded for 4h 0m 0s\"\n", promDuration(evalAt))
