@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
@@ -205,5 +206,31 @@ func TestDedicateByANonOwnerFailsNamingTheOwner(t *testing.T) {
 	var open bool
 	if err := db.QueryRow(ctx, `SELECT has_database_privilege('public', current_database(), 'CONNECT')`).Scan(&open); err != nil || !open {
 		t.Errorf("PUBLIC CONNECT after the refused Dedicate: %v (%v); want it as it was (granted)", open, err)
+	}
+}
+
+// Finding 7 of priv's review: a role that is a member of both group roles
+// (on PostgreSQL 16 and later the CREATEROLE role that created them is) is
+// neither group's: once_group_role() is NULL for it, rather than the first
+// by name, so a letter or outbox row it writes is refused by the groups'
+// policies instead of being given to analytics.
+func TestAMemberOfBothGroupRolesActsAsNeither(t *testing.T) {
+	ctx := context.Background()
+	admin := reftest.Postgres(t)
+	testenv.LoginRole(t, admin, "both_svc", "once_billing", "once_analytics")
+	both := testenv.PoolAt(t, testenv.URLAs(testenv.Where{Mode: pgx.QueryExecModeExec, Pooled: false}.URL(t), "both_svc", ""))
+	var role pgtype.Text
+	if err := both.QueryRow(ctx, `SELECT public.once_group_role()::text`).Scan(&role); err != nil || role.Valid {
+		t.Errorf("once_group_role() for a member of both: %q (%v); want NULL", role.String, err)
+	}
+	if _, err := both.Exec(ctx, `INSERT INTO once_dead_letter (topic, payload, headers) VALUES ('t', '\x00', '\x5b5d')`); !refused(err) {
+		t.Errorf("a member of both parks a letter: %v; want it refused (42501), not given to either group", err)
+	}
+	err := pgx.BeginFunc(ctx, both, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO once_outbox (uuid, payload, transaction_id) VALUES ($1, '{}', pg_current_xact_id())`, uuid.NewString())
+		return err
+	})
+	if !refused(err) {
+		t.Errorf("a member of both writes the outbox: %v; want it refused (42501)", err)
 	}
 }
