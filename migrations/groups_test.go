@@ -140,6 +140,35 @@ func TestAGroupsRoleCannotReachAnotherGroupsOutbox(t *testing.T) {
 			if want := slices.Sorted(slices.Values(billingIDs)); !slices.Equal(sent, want) {
 				t.Errorf("billing's forwarder sent %v; want billing's rows %v", sent, want)
 			}
+			// Pruning, as the owner (app maintain): billing's forwarded rows
+			// go by billing's progress; analytics' rows, which no forwarder
+			// sent, stay, though the shared progress may stand past them.
+			if _, err := admin.Exec(ctx, `UPDATE once_outbox SET created_at = created_at - interval '2 days' WHERE payload->>'uuid' = ANY($1) OR payload->>'uuid' = ANY($2)`, billingIDs, analyticsIDs); err != nil {
+				t.Fatal(err)
+			}
+			// The shared progress moved past every row, then put back.
+			var savedAcked *int64
+			var savedTx *string
+			_ = admin.QueryRow(ctx, `SELECT offset_acked, last_processed_transaction_id::text FROM once_outbox_offsets WHERE consumer_group = 'kafka_forwarder'`).Scan(&savedAcked, &savedTx)
+			t.Cleanup(func() {
+				if savedTx == nil {
+					_, _ = admin.Exec(ctx, `DELETE FROM once_outbox_offsets WHERE consumer_group = 'kafka_forwarder'`)
+					return
+				}
+				_, _ = admin.Exec(ctx, `UPDATE once_outbox_offsets SET offset_acked = $1, last_processed_transaction_id = $2::xid8 WHERE consumer_group = 'kafka_forwarder'`, savedAcked, *savedTx)
+			})
+			if _, err := admin.Exec(ctx, `INSERT INTO once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
+				VALUES ('kafka_forwarder', 0, pg_current_xact_id()) ON CONFLICT (consumer_group) DO UPDATE SET last_processed_transaction_id = excluded.last_processed_transaction_id, offset_acked = 0`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := box.Prune(ctx, admin, time.Hour, 1000); err != nil {
+				t.Fatalf("prune as the owner: %v", err)
+			}
+			var billingLeft, analyticsLeft int
+			if err := admin.QueryRow(ctx, `SELECT count(*) FILTER (WHERE payload->>'uuid' = ANY($1)), count(*) FILTER (WHERE payload->>'uuid' = ANY($2)) FROM once_outbox`,
+				billingIDs, analyticsIDs).Scan(&billingLeft, &analyticsLeft); err != nil || billingLeft != 0 || analyticsLeft != 3 {
+				t.Errorf("after the owner's prune: billing's forwarded rows left %d, analytics' unforwarded rows left %d (%v); want 0 and 3", billingLeft, analyticsLeft, err)
+			}
 			_, _ = admin.Exec(ctx, `DELETE FROM once_outbox WHERE payload->>'uuid' = ANY($1) OR payload->>'uuid' = ANY($2)`, billingIDs, analyticsIDs)
 		})
 	}
