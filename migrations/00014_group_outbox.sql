@@ -21,6 +21,12 @@
 -- event id, never a loss). Its progress starts where the shared one
 -- (kafka_forwarder) stood, so nothing forwarded before is sent again.
 --
+-- The group roles' policies and progress rows are not made here but by
+-- migrations.Grant, which app migrate runs after the migrations every time
+-- (a role that does not exist yet cannot be named in a policy); this
+-- migration adds the columns and functions, backfills the letters, and
+-- turns row security on.
+--
 -- Dead letters: a group role reads, drains and writes only letters tagged
 -- with its own role. Letters parked before 00013 get the group of their
 -- dead-lettered source (once_dead_letter_sources, by topic, partition and
