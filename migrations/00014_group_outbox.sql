@@ -18,8 +18,12 @@
 -- sees and forwards its group's rows and the rows written by no group
 -- (group_role NULL: by the owner, or before this migration), which every
 -- group's forwarder may then send (a duplicate, which consumers dedup by
--- event id, never a loss). Its progress starts where the shared one
--- (kafka_forwarder) stood, so nothing forwarded before is sent again.
+-- event id, never a loss). A role of no group sees every row and the
+-- shared progress (kafka_forwarder), and forwards by it. migrations.Grant
+-- (every app migrate) keeps the progress rows in step: the shared one moves
+-- up to the rows the groups' forwarders sent, each group's up to the shared
+-- one, so a switch between the owner's forwarding and the groups', with
+-- app migrate in between, sends nothing forwarded before again.
 --
 -- The group roles' policies and progress rows are not made here but by
 -- migrations.Grant, which app migrate runs after the migrations every time

@@ -2,11 +2,13 @@ package migrations
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -42,10 +44,58 @@ CREATE POLICY %[8]s ON public.once_outbox FOR DELETE TO %[2]s USING (group_role 
 DROP POLICY IF EXISTS %[2]s ON public.once_outbox_offsets;
 CREATE POLICY %[2]s ON public.once_outbox_offsets TO %[2]s USING (consumer_group = %[9]s) WITH CHECK (consumer_group = %[9]s);
 INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
-SELECT %[9]s, coalesce(o.offset_acked, 0), coalesce(o.last_processed_transaction_id, '0')
-FROM (VALUES (1)) v LEFT JOIN public.once_outbox_offsets o ON o.consumer_group = 'kafka_forwarder'
+SELECT %[9]s, o.offset_acked, o.last_processed_transaction_id
+FROM public.once_outbox_offsets o WHERE o.consumer_group = 'kafka_forwarder'
 ON CONFLICT (consumer_group) DO NOTHING;
+UPDATE public.once_outbox_offsets g SET offset_acked = s.offset_acked, last_processed_transaction_id = s.last_processed_transaction_id
+FROM public.once_outbox_offsets s
+WHERE g.consumer_group = %[9]s AND s.consumer_group = 'kafka_forwarder'
+  AND (s.last_processed_transaction_id, s.offset_acked) > (g.last_processed_transaction_id, g.offset_acked);
 `
+
+// progressSQL keeps the forwarder's progress rows of once_outbox in step,
+// before the groups' (groupGrantsSQL, which then moves each group's up to
+// the shared one). The shared progress (kafka_forwarder) is the forwarder's
+// of a role that row security does not restrict to a group (the owner, a
+// role of no group: package outbox); a group role's forwarder keeps
+// kafka_forwarder:once_GROUP. Whichever forwarded last, the others' progress
+// stayed behind, and a switch between the set-ups would send again what the
+// other forwarded. So, each time app migrate runs:
+//   - the shared row exists (a role of no group sees it and keeps it);
+//   - the shared progress moves up to the last row before the first row
+//     that no forwarder sent yet (a group's row is sent once its group's
+//     progress is past it, a row of no group once any group's is: every
+//     group's forwarder sends those);
+//   - then each group's moves up to the shared one (below it every row was
+//     sent, by the shared forwarder, which sees them all, or by its group's).
+//
+// Nothing is skipped: a progress only moves past rows that were sent, and
+// only rows of transactions that have ended lie below a sent row (the
+// forwarder reads a transaction's rows once every older one has ended). Run
+// between the switch from one set-up to the other, with the forwarders
+// stopped, each row is sent once more at most by neither; a forwarder left
+// running across it may send again what it had read and not acknowledged.
+const progressSQL = `
+INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
+VALUES ('kafka_forwarder', 0, '0') ON CONFLICT (consumer_group) DO NOTHING;
+UPDATE public.once_outbox_offsets s SET offset_acked = p."offset", last_processed_transaction_id = p.transaction_id
+FROM (
+  WITH sh AS (SELECT last_processed_transaction_id AS t, offset_acked AS o FROM public.once_outbox_offsets WHERE consumer_group = 'kafka_forwarder'),
+  pr AS (SELECT substr(consumer_group, length('kafka_forwarder:') + 1) AS role, last_processed_transaction_id AS t, offset_acked AS o
+         FROM public.once_outbox_offsets WHERE starts_with(consumer_group, 'kafka_forwarder:')),
+  ahead AS (SELECT m.transaction_id, m."offset", EXISTS (SELECT FROM pr
+                WHERE (pr.role = m.group_role OR m.group_role IS NULL) AND (m.transaction_id, m."offset") <= (pr.t, pr.o)) AS sent
+            FROM public.once_outbox m, sh WHERE (m.transaction_id, m."offset") > (sh.t, sh.o)),
+  gap AS (SELECT transaction_id, "offset" FROM ahead WHERE NOT sent ORDER BY transaction_id, "offset" LIMIT 1)
+  SELECT a.transaction_id, a."offset" FROM ahead a
+  WHERE a.sent AND NOT EXISTS (SELECT FROM gap WHERE (a.transaction_id, a."offset") >= (gap.transaction_id, gap."offset"))
+  ORDER BY a.transaction_id DESC, a."offset" DESC LIMIT 1) p
+WHERE s.consumer_group = 'kafka_forwarder';
+`
+
+// grantLock serializes Grant between migrators (two app migrate at once:
+// GRANT on one database by both fails with "tuple concurrently updated").
+const grantLock = 0x6f6e63655f677200 // "once_gr\0"
 
 // Grant gives the roles of groups (once_GROUP) what the migrations grant
 // them, and their row-level security policies, in the database of pool,
@@ -87,21 +137,37 @@ func Grant(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 		return fmt.Errorf("migrations: grant to the group roles: %w", err)
 	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(grantLock)); err != nil {
+			return fmt.Errorf("migrations: grant to the group roles: wait for another app migrate: %w", err)
+		}
+		if _, err := tx.Exec(ctx, progressSQL); err != nil {
+			return fmt.Errorf("migrations: the outbox forwarder's progress: %w%s", err, ownerHint(err))
+		}
 		for _, g := range groups {
 			role := "once_" + g
 			id := func(s string) string { return pgx.Identifier{s}.Sanitize() }
 			// CONNECT too: a database once made another group's own by
 			// mistake (PUBLIC's CONNECT revoked) serves this group again.
 			if _, err := tx.Exec(ctx, `GRANT CONNECT ON DATABASE `+id(db)+` TO `+id(role)); err != nil {
-				return fmt.Errorf("migrations: grant %s CONNECT on %s: %w (run app migrate as the database's owner)", role, db, err)
+				return fmt.Errorf("migrations: grant %s CONNECT on %s: %w%s", role, db, err, ownerHint(err))
 			}
 			lit := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 			sql := fmt.Sprintf(groupGrantsSQL, lit(role), id(role), id(g), lit(g),
 				id(role+"_read"), id(role+"_write"), id(role+"_change"), id(role+"_remove"), lit("kafka_forwarder:"+role))
 			if _, err := tx.Exec(ctx, sql); err != nil {
-				return fmt.Errorf("migrations: grant %s its tables and policies: %w (run app migrate as the tables' owner)", role, err)
+				return fmt.Errorf("migrations: grant %s its tables and policies: %w%s", role, err, ownerHint(err))
 			}
 		}
 		return nil
 	})
+}
+
+// ownerHint is the advice for an error of Grant: a permission denied is
+// fixed by migrating as the owner; other errors say for themselves.
+func ownerHint(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return " (run app migrate as the database's and the tables' owner)"
+	}
+	return ""
 }
