@@ -63,7 +63,9 @@ func (f *forwarding) publish(pool *pgxpool.Pool, n int) []string {
 		}
 		ids = append(ids, id)
 	}
-	f.t.Cleanup(func() { _, _ = f.admin.Exec(context.Background(), `DELETE FROM once_outbox WHERE payload->>'uuid' = ANY($1)`, ids) })
+	f.t.Cleanup(func() {
+		_, _ = f.admin.Exec(context.Background(), `DELETE FROM once_outbox WHERE payload->>'uuid' = ANY($1)`, ids)
+	})
 	return ids
 }
 
@@ -275,4 +277,33 @@ func TestGrantRunsConcurrently(t *testing.T) {
 	if len(failures) > 0 {
 		t.Errorf("%d of 12 concurrent Grants failed, first: %s", len(failures), failures[0])
 	}
+}
+
+// Item 8 of priv's second review: in a set-up where only the groups' roles
+// forward, rows of no group (the owner's) are pruned once a group's
+// forwarder sent them, though the shared progress stays behind them.
+func TestRowsOfNoGroupArePrunedOnceAGroupSentThem(t *testing.T) {
+	ctx := context.Background()
+	f := newForwarding(t)
+	if err := migrations.Grant(ctx, f.admin, migrations.Groups); err != nil {
+		t.Fatal(err)
+	}
+	testenv.LoginRole(t, f.admin, "billing_svc", "once_billing")
+	billing := testenv.PoolAt(t, testenv.URLAs(testenv.Where{Mode: pgx.QueryExecModeExec}.URL(t), "billing_svc", ""))
+	owners := f.publish(f.admin, 3)
+	f.forward(billing, "kafka_forwarder:once_billing", owners)
+	if f.acked("kafka_forwarder", owners) {
+		t.Fatal("the shared progress stands past the owner's rows; want it behind (no shared forwarder ran)")
+	}
+	if _, err := f.admin.Exec(ctx, `UPDATE once_outbox SET created_at = created_at - interval '2 days' WHERE payload->>'uuid' = ANY($1)`, owners); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.box.Prune(ctx, f.admin, time.Hour, 1000); err != nil {
+		t.Fatalf("prune as the owner: %v", err)
+	}
+	var left int
+	if err := f.admin.QueryRow(ctx, `SELECT count(*) FROM once_outbox WHERE payload->>'uuid' = ANY($1)`, owners).Scan(&left); err != nil || left != 0 {
+		t.Errorf("after the owner's prune: %d rows of no group left that billing's forwarder sent (%v); want 0", left, err)
+	}
+	f.eachOnce(owners)
 }
