@@ -79,20 +79,35 @@ ALTER TABLE public.once_outbox ALTER COLUMN group_role SET DEFAULT public.once_g
 DO $$
 DECLARE
     tbl text;
+    letter record;
+    grp text;
 BEGIN
     -- Dead letters: the group that parked them (Watermill's
     -- handler_poisoned header, the consumer group of their dead-lettered
     -- source), whoever migrates: not the migrator's membership, which
-    -- 00013's default stamped on every existing letter.
-    UPDATE public.once_dead_letter d SET group_role = CASE
-            WHEN starts_with(h.grp, 'billing') THEN 'once_billing'
-            WHEN starts_with(h.grp, 'analytics') THEN 'once_analytics' END
-    FROM (SELECT l.id, CASE jsonb_typeof(j.doc)
-                 WHEN 'array' THEN (SELECT convert_from(decode(e->>'v', 'base64'), 'UTF8') FROM jsonb_array_elements(j.doc) e
-                                    WHERE convert_from(decode(e->>'k', 'base64'), 'UTF8') = 'handler_poisoned' LIMIT 1)
-                 WHEN 'object' THEN j.doc->>'handler_poisoned' END AS grp
-          FROM public.once_dead_letter l, LATERAL (SELECT convert_from(l.headers, 'UTF8')::jsonb AS doc) j) h
-    WHERE d.id = h.id;
+    -- 00013's default stamped on every existing letter. A letter whose
+    -- headers cannot be read (a key that is not UTF-8, a \u0000 that jsonb
+    -- refuses) is left NULL, the owner's to drain, rather than stopping
+    -- the migration: each letter is read in a block of its own. (Before
+    -- this, such a letter failed the migration, which goose rolled back
+    -- whole: a database it failed on has 00014 pending, and the next app
+    -- migrate applies it; one it was applied to had no such letter.)
+    FOR letter IN SELECT id, headers FROM public.once_dead_letter LOOP
+        BEGIN
+            SELECT CASE jsonb_typeof(j.doc)
+                     WHEN 'array' THEN (SELECT convert_from(decode(e->>'v', 'base64'), 'UTF8') FROM jsonb_array_elements(j.doc) e
+                                        WHERE convert_from(decode(e->>'k', 'base64'), 'UTF8') = 'handler_poisoned' LIMIT 1)
+                     WHEN 'object' THEN j.doc->>'handler_poisoned' END
+            INTO grp
+            FROM (SELECT convert_from(letter.headers, 'UTF8')::jsonb AS doc) j;
+        EXCEPTION WHEN others THEN
+            grp := NULL;
+        END;
+        UPDATE public.once_dead_letter SET group_role = CASE
+                WHEN starts_with(grp, 'billing') THEN 'once_billing'
+                WHEN starts_with(grp, 'analytics') THEN 'once_analytics' END
+        WHERE id = letter.id;
+    END LOOP;
 
     -- Row security on the five tables, whichever group roles exist now:
     -- a role of neither group is not restricted by rows (its privileges

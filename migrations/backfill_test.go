@@ -1,0 +1,89 @@
+package migrations_test
+
+import (
+	"context"
+	"encoding/base64"
+	"os"
+	"testing"
+
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+
+	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/schema"
+)
+
+// Item 4 of priv's second review: 00014's backfill of the dead letters'
+// group reads each letter's headers; a letter whose header key is not
+// UTF-8, or whose old plain-object headers hold a \u0000 (which jsonb
+// refuses), used to abort the migration. Such letters are left NULL (the
+// owner's to drain); a readable one still gets its group.
+func TestGroupOutboxMigrationSkipsLettersItCannotRead(t *testing.T) {
+	ctx := context.Background()
+	main := testenv.Postgres(t)
+	const name = "once_backfill_test"
+	if _, err := main.Exec(ctx, `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`); err != nil {
+		t.Fatal(err)
+	}
+	db := testenv.OtherPostgres(t, name)
+	t.Cleanup(func() {
+		db.Close()
+		_, _ = main.Exec(context.Background(), `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`)
+	})
+	if _, err := schema.Migrate(ctx, db, schema.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	sqlDB := stdlib.OpenDBFromPool(db)
+	defer sqlDB.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, os.DirFS("."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := provider.UpTo(ctx, 13); err != nil {
+		t.Fatal(err)
+	}
+	b64 := func(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
+	letters := map[string]string{
+		"readable":     `[{"k":"` + b64("handler_poisoned") + `","v":"` + b64("billing.payments") + `"}]`,
+		"key not utf8": `[{"k":"` + base64.StdEncoding.EncodeToString([]byte{0xff, 0xfe}) + `","v":"` + b64("x") + `"},{"k":"` + b64("handler_poisoned") + `","v":"` + b64("billing") + `"}]`,
+		"nul":          `{"handler_poisoned":"analytics","x":"a\u0000b"}`,
+	}
+	ids := map[string]int64{}
+	for what, headers := range letters {
+		var id int64
+		if err := db.QueryRow(ctx, `INSERT INTO once_dead_letter (topic, payload, headers) VALUES ('t', '\x00', convert_to($1, 'UTF8')) RETURNING id`, headers).Scan(&id); err != nil {
+			t.Fatalf("park the %s letter: %v", what, err)
+		}
+		ids[what] = id
+	}
+	// The fault: reading the unreadable ones as 00014 did fails.
+	for _, what := range []string{"key not utf8", "nul"} {
+		_, err := db.Exec(ctx, `SELECT convert_from(headers, 'UTF8')::jsonb, (SELECT array_agg(convert_from(decode(e->>'k', 'base64'), 'UTF8')) FROM jsonb_array_elements(CASE jsonb_typeof(convert_from(headers, 'UTF8')::jsonb) WHEN 'array' THEN convert_from(headers, 'UTF8')::jsonb ELSE '[]' END) e)
+			FROM once_dead_letter WHERE id = $1`, ids[what])
+		if err == nil {
+			t.Fatalf("the %s letter's headers read without error; want the fault", what)
+		}
+	}
+	if _, err := provider.UpTo(ctx, 14); err != nil {
+		t.Fatalf("00014 on letters it cannot read: %v; want it applied", err)
+	}
+	want := map[string]*string{"readable": ptr("once_billing"), "key not utf8": nil, "nul": nil}
+	for what, id := range ids {
+		var got *string
+		if err := db.QueryRow(ctx, `SELECT group_role FROM once_dead_letter WHERE id = $1`, id).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if (got == nil) != (want[what] == nil) || (got != nil && *got != *want[what]) {
+			t.Errorf("the %s letter's group_role %v; want %v", what, deref(got), deref(want[what]))
+		}
+	}
+}
+
+func ptr(s string) *string { return &s }
+
+func deref(s *string) string {
+	if s == nil {
+		return "NULL"
+	}
+	return *s
+}
