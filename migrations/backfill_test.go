@@ -10,6 +10,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/once-dev/once/internal/testenv"
+	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/schema"
 )
 
@@ -86,4 +87,58 @@ func deref(s *string) string {
 		return "NULL"
 	}
 	return *s
+}
+
+// Item 5 of priv's second review: serve's default --migrate (Up, which runs
+// Grant for every group when it applied a migration) on a database made
+// billing's own grants analytics nothing there: not CONNECT, not the
+// library's tables.
+func TestUpGrantsNoOtherGroupInADedicatedDatabase(t *testing.T) {
+	ctx := context.Background()
+	main := testenv.Postgres(t)
+	const name = "once_dedicated_up_test"
+	if _, err := main.Exec(ctx, `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`); err != nil {
+		t.Fatal(err)
+	}
+	db := testenv.OtherPostgres(t, name)
+	t.Cleanup(func() {
+		db.Close()
+		_, _ = main.Exec(context.Background(), `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`)
+	})
+	if _, err := migrations.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	// As app migrate --group-database billing=... does it.
+	if err := migrations.Dedicate(ctx, db, []string{"billing"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Grant(ctx, db, []string{"billing"}); err != nil {
+		t.Fatal(err)
+	}
+	analytics := func() (connect, insert bool) {
+		t.Helper()
+		if err := db.QueryRow(ctx, `SELECT has_database_privilege('once_analytics', current_database(), 'CONNECT'),
+			has_table_privilege('once_analytics', 'public.processed_event', 'INSERT')`).Scan(&connect, &insert); err != nil {
+			t.Fatal(err)
+		}
+		return connect, insert
+	}
+	if c, i := analytics(); c || i {
+		t.Fatalf("after app migrate: once_analytics CONNECT %v, INSERT on processed_event %v; want neither", c, i)
+	}
+	// A release with a migration pending: 00014 forgotten, applied again.
+	if _, err := db.Exec(ctx, `DELETE FROM goose_db_version WHERE version_id = 14`); err != nil {
+		t.Fatal(err)
+	}
+	applied, err := migrations.Up(ctx, db)
+	if err != nil || len(applied) == 0 {
+		t.Fatalf("serve's migrate applied %v (%v); want 00014 again", applied, err)
+	}
+	if c, i := analytics(); c || i {
+		t.Errorf("after serve's migrate: once_analytics CONNECT %v, INSERT on processed_event %v; want neither", c, i)
+	}
+	var billing bool
+	if err := db.QueryRow(ctx, `SELECT has_database_privilege('once_billing', current_database(), 'CONNECT')`).Scan(&billing); err != nil || !billing {
+		t.Errorf("after serve's migrate: once_billing CONNECT %v (%v); want it", billing, err)
+	}
 }

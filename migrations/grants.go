@@ -108,13 +108,42 @@ const grantLock = 0x6f6e63655f677200 // "once_gr\0"
 // CREATEROLE creates it (NOLOGIN), then app migrate runs again. Until then
 // that role has no policy, and row security shows it no row (00014
 // restricts every role that is not a group's; one that is, to its
-// policies). Run it as the tables' owner.
+// policies). In a database of groups' own ([Dedicate]) it grants only
+// those of groups that the database serves, and skips the others. Runs
+// of it serialize on an advisory lock (app migrate run twice at once). Run
+// it as the tables' owner.
 func Grant(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
-	var missing []string
 	for _, g := range groups {
 		if !slices.Contains(Groups, g) {
 			return fmt.Errorf("migrations: grant to %q: not a group of the service (%v)", g, Groups)
 		}
+	}
+	var db string
+	var served []string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		return fmt.Errorf("migrations: grant to the group roles: %w", err)
+	}
+	// A database of groups' own (Dedicate) serves those groups alone: no
+	// other group gets anything here, whoever asks (Up for every group,
+	// as serve's --migrate runs it).
+	var dedicated bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass('public.`+servedTable+`') IS NOT NULL`).Scan(&dedicated); err != nil {
+		return fmt.Errorf("migrations: grant to the group roles: %w", err)
+	}
+	if dedicated {
+		rows, err := pool.Query(ctx, `SELECT group_name FROM public.`+servedTable)
+		if err != nil {
+			return fmt.Errorf("migrations: grant to the group roles: which groups %s serves: %w", db, err)
+		}
+		if served, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+			return fmt.Errorf("migrations: grant to the group roles: which groups %s serves: %w", db, err)
+		}
+	}
+	if len(served) > 0 {
+		groups = slices.DeleteFunc(slices.Clone(groups), func(g string) bool { return !slices.Contains(served, g) })
+	}
+	var missing []string
+	for _, g := range groups {
 		var exists bool
 		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)`, "once_"+g).Scan(&exists); err != nil {
 			return fmt.Errorf("migrations: grant to the group roles: %w", err)
@@ -131,10 +160,6 @@ func Grant(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 		return fmt.Errorf("migrations: the group roles %s do not exist (the migrating role may not create roles): "+
 			"have a role with CREATEROLE run %s then run app migrate again, which grants them their tables and row-level security policies",
 			strings.Join(missing, ", "), strings.Join(create, " "))
-	}
-	var db string
-	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
-		return fmt.Errorf("migrations: grant to the group roles: %w", err)
 	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(grantLock)); err != nil {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -63,6 +64,23 @@ func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 	return applied, nil
 }
 
+// Share makes the database of pool one that every group shares (app
+// migrate's main database): it forgets the groups [Dedicate] recorded, so
+// that [Grant] grants every group it is asked for again (a database made a
+// group's own by mistake). PUBLIC's CONNECT, if Dedicate revoked it, stays
+// revoked: Grant grants each group's role CONNECT. Idempotent; run as the
+// tables' owner.
+func Share(ctx context.Context, pool *pgxpool.Pool) error {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS public.`+servedTable); err != nil {
+		return fmt.Errorf("migrations: share the database among every group: %w", err)
+	}
+	return nil
+}
+
+// servedTable lists the groups a database of groups' own serves (written
+// by [Dedicate], read by [Grant]).
+const servedTable = "once_database_groups"
+
 // Groups are the consumer groups the migrations make a role for
 // (once_analytics, once_billing: 00010) and a schema each.
 var Groups = []string{"analytics", "billing"}
@@ -96,7 +114,19 @@ func Dedicate(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 		return fmt.Errorf("migrations: dedicate database %s to %v: the current role does not own it, and CONNECT would stay open to PUBLIC: run app migrate as its owner, %s", db, groups, owner)
 	}
 	database := pgx.Identifier{db}.Sanitize()
-	stmts = append(stmts, `REVOKE CONNECT, TEMPORARY ON DATABASE `+database+` FROM PUBLIC`)
+	// The groups the database serves, where Grant (run by Up, as serve's
+	// --migrate does, not only by app migrate) reads them: it grants no
+	// other group anything here.
+	served := make([]string, len(groups))
+	for i, g := range groups {
+		served[i] = "('" + strings.ReplaceAll(g, "'", "''") + "')"
+	}
+	stmts = append(stmts,
+		`CREATE TABLE IF NOT EXISTS public.`+servedTable+` (group_name text PRIMARY KEY)`,
+		`COMMENT ON TABLE public.`+servedTable+` IS 'The consumer groups this database is the own of (app migrate --group-database, migrations.Dedicate): migrations.Grant grants no other group anything here.'`,
+		`DELETE FROM public.`+servedTable,
+		`INSERT INTO public.`+servedTable+` (group_name) VALUES `+strings.Join(served, ", "),
+		`REVOKE CONNECT, TEMPORARY ON DATABASE `+database+` FROM PUBLIC`)
 	for _, g := range Groups {
 		role := pgx.Identifier{"once_" + g}.Sanitize()
 		var exists bool

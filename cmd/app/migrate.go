@@ -125,18 +125,20 @@ func (m *migrateCmd) migrate(ctx context.Context, d deps, t migrateTarget, main 
 	defer pool.Close()
 	// Every time, not only when something was pending: a group role that
 	// did not exist when a migration ran got nothing from it.
+	// A group's database is made its own first: Grant then grants no
+	// other group anything there, not even for a moment.
 	grant := migrations.Groups
 	if t.groups != nil {
 		grant = t.groups
-	}
-	if err := migrations.Grant(ctx, pool, grant); err != nil {
-		return err
-	}
-	if t.groups != nil {
 		if err := migrations.Dedicate(ctx, pool, t.groups); err != nil {
 			return err
 		}
 		d.log.Info("the database is its groups' own", "database", pool.Config().ConnConfig.Database, "groups", t.groups)
+	} else if err := migrations.Share(ctx, pool); err != nil {
+		return err
+	}
+	if err := migrations.Grant(ctx, pool, grant); err != nil {
+		return err
 	}
 	cfg := m.Retention.config(d)
 	cfg.DB, cfg.GuideRetention = pool, m.GuideRetention
