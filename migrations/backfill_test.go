@@ -3,7 +3,9 @@ package migrations_test
 import (
 	"context"
 	"encoding/base64"
+	"errors"
 	"os"
+	"slices"
 	"testing"
 
 	"github.com/jackc/pgx/v5/stdlib"
@@ -140,5 +142,47 @@ func TestUpGrantsNoOtherGroupInADedicatedDatabase(t *testing.T) {
 	var billing bool
 	if err := db.QueryRow(ctx, `SELECT has_database_privilege('once_billing', current_database(), 'CONNECT')`).Scan(&billing); err != nil || !billing {
 		t.Errorf("after serve's migrate: once_billing CONNECT %v (%v); want it", billing, err)
+	}
+}
+
+// Item 8 of priv's second review: the set-up without least privilege (one
+// role migrates and serves: serve's default --migrate runs Up), whose
+// owner may not create roles, is not refused for group roles it does not
+// use: Up applies its migrations and grants the group roles that exist.
+// (once_ghost stands for a group role that does not exist.)
+func TestUpGoesOnWhenAGroupRoleIsMissing(t *testing.T) {
+	ctx := context.Background()
+	main := testenv.Postgres(t)
+	const name = "once_missing_role_test"
+	if _, err := main.Exec(ctx, `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`); err != nil {
+		t.Fatal(err)
+	}
+	db := testenv.OtherPostgres(t, name)
+	t.Cleanup(func() {
+		db.Close()
+		_, _ = main.Exec(context.Background(), `DROP DATABASE IF EXISTS `+name+` WITH (FORCE)`)
+	})
+	if _, err := migrations.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ctx, `CREATE SCHEMA ghost; DELETE FROM goose_db_version WHERE version_id = 14;
+		REVOKE ALL ON public.processed_event FROM once_billing; DROP POLICY once_billing ON public.processed_event`); err != nil {
+		t.Fatal(err)
+	}
+	saved := migrations.Groups
+	migrations.Groups = append(slices.Clone(saved), "ghost")
+	t.Cleanup(func() { migrations.Groups = saved })
+	var missing *migrations.MissingRolesError
+	if err := migrations.Grant(ctx, db, migrations.Groups); !errors.As(err, &missing) {
+		t.Fatalf("Grant with once_ghost missing: %v; want a MissingRolesError (the fault)", err)
+	}
+	applied, err := migrations.Up(ctx, db)
+	if err != nil || len(applied) == 0 {
+		t.Fatalf("Up with once_ghost missing applied %v: %v; want 00014 applied and no error", applied, err)
+	}
+	var granted, policy bool
+	if err := db.QueryRow(ctx, `SELECT has_table_privilege('once_billing', 'public.processed_event', 'INSERT'),
+		EXISTS (SELECT FROM pg_policies WHERE tablename = 'processed_event' AND policyname = 'once_billing')`).Scan(&granted, &policy); err != nil || !granted || !policy {
+		t.Errorf("after Up: once_billing granted %v, its policy %v (%v); want both (the roles that exist are granted)", granted, policy, err)
 	}
 }

@@ -104,7 +104,7 @@ const grantLock = 0x6f6e63655f677200 // "once_gr\0"
 // CREATEROLE) gets nothing from it, and the migration is recorded applied
 // all the same: so [Up] runs this after the migrations it applied, and app
 // migrate after every Up. It is idempotent. A group role that does not
-// exist is an error naming it, after nothing was granted: a role with
+// exist is an error naming it (a [*MissingRolesError]), after nothing was granted: a role with
 // CREATEROLE creates it (NOLOGIN), then app migrate runs again. Until then
 // that role has no policy, and row security shows it no row (00014
 // restricts every role that is not a group's; one that is, to its
@@ -153,14 +153,36 @@ func Grant(ctx context.Context, pool *pgxpool.Pool, groups []string) error {
 		}
 	}
 	if len(missing) > 0 {
-		create := make([]string, len(missing))
-		for i, r := range missing {
-			create[i] = "CREATE ROLE " + r + " NOLOGIN;"
-		}
-		return fmt.Errorf("migrations: the group roles %s do not exist (the migrating role may not create roles): "+
-			"have a role with CREATEROLE run %s then run app migrate again, which grants them their tables and row-level security policies",
-			strings.Join(missing, ", "), strings.Join(create, " "))
+		return &MissingRolesError{Roles: missing}
 	}
+	return grant(ctx, pool, db, groups)
+}
+
+// MissingRolesError is Grant's error when group roles do not exist: it
+// granted nothing. Such a role, created later, sees no row of the claims,
+// dead letters or outbox until Grant runs again (row security restricts it
+// to its policies, and it has none): nothing is open meanwhile.
+type MissingRolesError struct {
+	// Roles are the group roles that do not exist (once_GROUP).
+	Roles []string
+}
+
+func (e *MissingRolesError) Error() string {
+	create := make([]string, len(e.Roles))
+	for i, r := range e.Roles {
+		create[i] = "CREATE ROLE " + r + " NOLOGIN;"
+	}
+	return fmt.Sprintf("migrations: the group roles %s do not exist (the migrating role may not create roles): "+
+		"have a role with CREATEROLE run %s then run app migrate again, which grants them their tables and row-level security policies",
+		strings.Join(e.Roles, ", "), strings.Join(create, " "))
+}
+
+// Existing are the groups of groups whose roles are not missing.
+func (e *MissingRolesError) Existing(groups []string) []string {
+	return slices.DeleteFunc(slices.Clone(groups), func(g string) bool { return slices.Contains(e.Roles, "once_"+g) })
+}
+
+func grant(ctx context.Context, pool *pgxpool.Pool, db string, groups []string) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, int64(grantLock)); err != nil {
 			return fmt.Errorf("migrations: grant to the group roles: wait for another app migrate: %w", err)

@@ -24,8 +24,9 @@ var files embed.FS
 
 // Up applies the library's tables (package schema, in public) and then every
 // pending migration of the reference service, then, if it applied any,
-// [Grant] for every group, and returns the versions of the migrations it
-// applied.
+// [Grant] for every group whose role exists (a missing one is left to app
+// migrate, and gets nothing meanwhile), and returns the versions of the
+// migrations it applied.
 func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 	if _, err := schema.Migrate(ctx, pool, schema.Config{}); err != nil {
 		return nil, err
@@ -57,7 +58,17 @@ func Up(ctx context.Context, pool *pgxpool.Pool) ([]int64, error) {
 		applied = append(applied, r.Source.Version)
 	}
 	if len(applied) > 0 {
-		if err := Grant(ctx, pool, Groups); err != nil {
+		// Group roles that do not exist are not an error here: the set-up
+		// without least privilege (one role migrates and serves, maybe
+		// without CREATEROLE) uses none, and a role created later gets
+		// nothing until app migrate grants it (which names what is
+		// missing).
+		var missing *MissingRolesError
+		err := Grant(ctx, pool, Groups)
+		if errors.As(err, &missing) {
+			err = Grant(ctx, pool, missing.Existing(Groups))
+		}
+		if err != nil {
 			return applied, err
 		}
 	}

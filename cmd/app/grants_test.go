@@ -159,3 +159,32 @@ func TestAppMigrateKnowsTheMainDatabaseWrittenAnotherWay(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Item 8 of priv's second review: app migrate without --group-database
+// (the set-up without least privilege) is not refused for a group role
+// that does not exist: it says so and grants the others; with
+// --group-database (least privilege) it is refused, naming the role.
+func TestAppMigrateWarnsOfAMissingGroupRoleUnlessLeastPrivilege(t *testing.T) {
+	ctx := context.Background()
+	admin := testenv.OtherPostgres(t, "once_missing_role_app")
+	testenv.OtherPostgres(t, "once_missing_role_app_billing")
+	base := testenv.Where{Mode: pgx.QueryExecModeCacheStatement}.URL(t)
+	owner := testenv.URLAs(base, "once", "once_missing_role_app")
+	if out, err := runApp(t, "migrate", "--database-url", owner); err != nil {
+		t.Fatalf("app migrate: %v\n%s", err, out)
+	}
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS ghost`); err != nil {
+		t.Fatal(err)
+	}
+	saved := migrations.Groups
+	migrations.Groups = append(slices.Clone(saved), "ghost")
+	t.Cleanup(func() { migrations.Groups = saved })
+	out, err := runApp(t, "migrate", "--database-url", owner)
+	if err != nil || !strings.Contains(out, "group roles missing") || !strings.Contains(out, "CREATE ROLE once_ghost NOLOGIN") {
+		t.Errorf("app migrate without --group-database, once_ghost missing: %v\n%s; want it to go on, saying which role is missing", err, out)
+	}
+	out, err = runApp(t, "migrate", "--database-url", owner, "--group-database", "billing="+testenv.URLAs(base, "once", "once_missing_role_app_billing"))
+	if err == nil || !strings.Contains(out+err.Error(), "CREATE ROLE once_ghost NOLOGIN") {
+		t.Errorf("app migrate with --group-database, once_ghost missing: %v\n%s; want it refused, naming the role", err, out)
+	}
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -97,6 +98,10 @@ func databaseIdentity(ctx context.Context, db dbSettings) (string, error) {
 	return id, nil
 }
 
+// leastPrivilege is whether this run sets up least privilege (a database
+// per group): then a missing group role is an error, not a warning.
+func (m *migrateCmd) leastPrivilege() bool { return len(m.GroupDatabases) > 0 }
+
 func (m *migrateCmd) Run(ctx context.Context, d deps) error {
 	targets, err := m.targets(ctx)
 	if err != nil {
@@ -137,7 +142,17 @@ func (m *migrateCmd) migrate(ctx context.Context, d deps, t migrateTarget, main 
 	} else if err := migrations.Share(ctx, pool); err != nil {
 		return err
 	}
-	if err := migrations.Grant(ctx, pool, grant); err != nil {
+	err = migrations.Grant(ctx, pool, grant)
+	var missing *migrations.MissingRolesError
+	if errors.As(err, &missing) && !m.leastPrivilege() {
+		// The set-up without least privilege (no --group-database) uses
+		// no group role: it is not refused for the ones missing, which
+		// get nothing (row security shows a role made later no row until
+		// app migrate runs again). Safe either way; said once.
+		d.log.Warn("group roles missing; the others granted (run again once they exist, for least privilege)", "err", err.Error())
+		err = migrations.Grant(ctx, pool, missing.Existing(grant))
+	}
+	if err != nil {
 		return err
 	}
 	cfg := m.Retention.config(d)
