@@ -70,6 +70,12 @@ LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
 $fn$;
 -- +goose StatementEnd
 
+-- The shared progress exists from now on (a role of no group, which sees
+-- every row, forwards by it; package outbox takes a role that sees it for
+-- one).
+INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
+VALUES ('kafka_forwarder', 0, '0') ON CONFLICT (consumer_group) DO NOTHING;
+
 ALTER TABLE public.once_outbox ADD COLUMN IF NOT EXISTS group_role name;
 -- Set after the column is added, so that existing rows stay NULL (a default
 -- given in ADD COLUMN is evaluated for them, as the migrator).

@@ -72,9 +72,9 @@ WHERE g.consumer_group = %[9]s AND s.consumer_group = 'kafka_forwarder'
 // Nothing is skipped: a progress only moves past rows that were sent, and
 // only rows of transactions that have ended lie below a sent row (the
 // forwarder reads a transaction's rows once every older one has ended). Run
-// between the switch from one set-up to the other, with the forwarders
-// stopped, each row is sent once more at most by neither; a forwarder left
-// running across it may send again what it had read and not acknowledged.
+// between one set-up and the other, with the forwarders stopped, it has each
+// row sent once; a forwarder left running across it may send again what it
+// had read and not yet acknowledged.
 const progressSQL = `
 INSERT INTO public.once_outbox_offsets (consumer_group, offset_acked, last_processed_transaction_id)
 VALUES ('kafka_forwarder', 0, '0') ON CONFLICT (consumer_group) DO NOTHING;
