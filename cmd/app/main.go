@@ -64,7 +64,7 @@ type cli struct {
 	OTLPEndpoint string     `name:"otlp-endpoint" env:"OTEL_EXPORTER_OTLP_ENDPOINT" help:"Export traces over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/traces); empty: no tracing recorded (W3C trace context is still passed on)."`
 
 	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
-	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
+	Migrate migrateCmd `cmd:"" help:"As the tables' owner: apply the database migrations (to --database-url and each --group-database), record the claims' retention, make today's and the next partitions, and exit."`
 
 	Maintain       maintainCmd       `cmd:"" help:"Run one retention pass over processed_event (create partitions ahead, drop or delete expired claims) and exit."`
 	Bench          benchCmd          `cmd:"" help:"Measure throughput side by side in one run: the broker's and the database's limits, the unsafe baseline, the pipeline per event and batched, and the style guide's Python consumer."`
