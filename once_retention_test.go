@@ -46,14 +46,19 @@ func TestALongerRetentionDuringARolloutKeepsTheClaims(t *testing.T) {
 	if err := retention.SetRetention(ctx, retention.Config{DB: pool, Tables: tables, Retention: 14 * 24 * time.Hour}); err != nil {
 		t.Fatal(err)
 	}
+	// A pass that read the retention before the change may still be under
+	// way (every 300ms here): the claim is made once a pass has read the
+	// change, as the new release's instances start after it, and checked
+	// after the next pass.
+	passesAfterTheChange := func() int { return strings.Count(logs.String(), "deleting by the recorded one") }
+	testenv.Eventually(t, 30*time.Second, "a pass of the old instance after the change", func() bool { return passesAfterTheChange() > 0 })
 	ev := pingAt(t, time.Now().Add(-10*24*time.Hour), 1)
 	if _, err := pool.Exec(ctx, `INSERT INTO `+tables.Claims().Qualified+` (event_id, consumer_group, payload_sha256) VALUES ($1, $2, '\x00')`,
 		ev.ID, group); err != nil {
 		t.Fatal(err)
 	}
-	testenv.Eventually(t, 30*time.Second, "a pass of the old instance after the change", func() bool {
-		return strings.Contains(logs.String(), "deleting by the recorded one")
-	})
+	seen := passesAfterTheChange()
+	testenv.Eventually(t, 30*time.Second, "another pass of the old instance after the claim", func() bool { return passesAfterTheChange() > seen+1 })
 	var claims int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+tables.Claims().Qualified+` WHERE event_id = $1`, ev.ID).Scan(&claims); err != nil {
 		t.Fatal(err)

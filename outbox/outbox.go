@@ -297,13 +297,13 @@ func (w *progressWatch) BeginTx(ctx context.Context, opts *sql.TxOptions) (water
 	if due {
 		now, err := w.o.progress(ctx, w.db)
 		if err == nil && now != w.name {
-			err = fmt.Errorf("outbox: the forwarder's progress row is now %s, not %s (a migration changed the row security of %s): restarting the forwarder on it",
-				now, w.name, w.o.tables.OutboxOffsetsTable())
+			err = &progressRowError{restart: true, err: fmt.Errorf("outbox: the forwarder's progress row is now %s, not %s (a migration changed the row security of %s): restarting the forwarder on it",
+				now, w.name, w.o.tables.OutboxOffsetsTable())}
 			w.mu.Lock()
 			w.changed, changed = true, true
 			stop := w.stop
 			w.mu.Unlock()
-			w.o.wlog.Error("outbox forwarder's progress row changed", err, nil)
+			w.o.log.Info("outbox forwarder restarts on its new progress row", "from", w.name, "to", now, "table", w.o.tables.OutboxOffsetsTable().Qualified)
 			if stop != nil {
 				go func() { _ = stop() }()
 			}
@@ -313,10 +313,24 @@ func (w *progressWatch) BeginTx(ctx context.Context, opts *sql.TxOptions) (water
 		}
 	}
 	if changed {
-		return nil, fmt.Errorf("outbox: the forwarder's progress row %s is no longer its own; the forwarder is closing", w.name)
+		return nil, &progressRowError{restart: true, err: fmt.Errorf("outbox: the forwarder's progress row %s is no longer its own; the forwarder is closing", w.name)}
 	}
 	return w.Beginner.BeginTx(ctx, opts)
 }
+
+// progressRowError is the forwarder's progress row not being what it
+// should: a restart on a new one (restart), which a migration caused and
+// the watch carries out, or a row security that lets this role see no
+// progress row of its own, which a person must fix (app migrate). Neither
+// is the database being unreachable, which the backoff would otherwise
+// take it for.
+type progressRowError struct {
+	err     error
+	restart bool
+}
+
+func (e *progressRowError) Error() string { return e.err.Error() }
+func (e *progressRowError) Unwrap() error { return e.err }
 
 // progress is the name of the forwarder's progress row in db. Where row
 // security restricts the outbox for the current user (a group's role in a
@@ -351,9 +365,9 @@ func (o *Outbox) progress(ctx context.Context, db pgdb.DB) (string, error) {
 		return forwarderGroup, nil
 	}
 	if len(names) != 1 {
-		return "", fmt.Errorf("outbox: row security restricts %s for this role, which sees %d progress rows named %s:* and not %s, want exactly its own: "+
+		return "", &progressRowError{err: fmt.Errorf("outbox: row security restricts %s for this role, which sees %d progress rows named %s:* and not %s, want exactly its own: "+
 			"run the migrations that made its policy (app migrate) as the tables' owner, or forward as a role the policies do not restrict",
-			o.tables.OutboxOffsetsTable(), len(names), forwarderGroup, forwarderGroup)
+			o.tables.OutboxOffsetsTable(), len(names), forwarderGroup, forwarderGroup)}
 	}
 	return names[0], nil
 }
@@ -455,6 +469,15 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 	}
 	if errors.Is(err, context.Canceled) {
 		return pollInterval // the stop's: the loop ends at once
+	}
+	if pe := (*progressRowError)(nil); errors.As(err, &pe) {
+		if pe.restart {
+			return pollInterval // the watch closes the forwarder; said once there
+		}
+		wait, since := b.steps.Failed()
+		b.log.Error(fmt.Sprintf("outbox forwarder has no progress row of its own on database %s; retrying in %s", b.database, wait),
+			"database", b.database, "table", b.table, "error_class", "refused", "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+		return wait
 	}
 	if msg := strings.ToLower(err.Error()); strings.Contains(msg, "deadlock") || strings.Contains(msg, "concurrent update") {
 		// Two forwarders taking turns on the table: at once again, as
