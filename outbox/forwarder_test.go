@@ -2,9 +2,7 @@ package outbox_test
 
 import (
 	"context"
-	"encoding/json"
 	"log/slog"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -54,14 +52,7 @@ func TestAStopMidPollLogsNoError(t *testing.T) {
 	if held.Load() == 0 {
 		t.Fatal("no poll reached its commit: the stop was not staged")
 	}
-	dec := json.NewDecoder(strings.NewReader(logged.String()))
-	for dec.More() {
-		var line map[string]any
-		if err := dec.Decode(&line); err != nil {
-			t.Fatal(err)
-		}
-		if line["level"] == "ERROR" {
-			t.Errorf("the stop logged an ERROR: %v", line)
-		}
+	for _, line := range logged.JSONLines(t, "ERROR") {
+		t.Errorf("the stop logged an ERROR: %v", line)
 	}
 }

@@ -2,7 +2,6 @@ package outbox_test
 
 import (
 	"context"
-	"encoding/json"
 	"log/slog"
 	"strings"
 	"testing"
@@ -60,17 +59,7 @@ func TestAnOutageLogsOneLinePerBackoffStep(t *testing.T) {
 		t.Errorf("no line says the forwarder reads the outbox again:\n%s", logged.String())
 	}
 
-	var failing []map[string]any
-	dec := json.NewDecoder(strings.NewReader(logged.String()))
-	for dec.More() {
-		var line map[string]any
-		if err := dec.Decode(&line); err != nil {
-			t.Fatal(err)
-		}
-		if line["level"] == "WARN" || line["level"] == "ERROR" {
-			failing = append(failing, line)
-		}
-	}
+	failing := logged.JSONLines(t, "WARN", "ERROR")
 	// A backoff of 1s, 2s, 4s, 8s... over 10 s: at most 5 lines.
 	if len(failing) == 0 || len(failing) > 5 {
 		t.Fatalf("%d WARN or ERROR lines over a 10 s outage; want one per backoff step:\n%s", len(failing), logged.String())
@@ -136,17 +125,7 @@ func TestARefusedReadIsNamedAndNotAnOutage(t *testing.T) {
 		return strings.Contains(logged.String(), "error_class")
 	})
 	time.Sleep(2500 * time.Millisecond) // a second step of the backoff
-	var lines []map[string]any
-	dec := json.NewDecoder(strings.NewReader(logged.String()))
-	for dec.More() {
-		var line map[string]any
-		if err := dec.Decode(&line); err != nil {
-			t.Fatal(err)
-		}
-		if line["level"] == "WARN" || line["level"] == "ERROR" {
-			lines = append(lines, line)
-		}
-	}
+	lines := logged.JSONLines(t, "WARN", "ERROR")
 	// The fault staged: the role's reads were refused, by the grant.
 	if len(lines) == 0 || !strings.Contains(logged.String(), "permission denied for") {
 		t.Fatalf("no read was refused for the grant:\n%s", logged.String())
