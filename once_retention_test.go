@@ -187,4 +187,24 @@ func TestTheFrontDoorUnderALeastPrivilegeRole(t *testing.T) {
 			}
 		}
 	}
+
+	// With retention left to the owner's cron job (a negative interval,
+	// app serve --maintenance-interval 0), the start-up pass this role may
+	// not run is the set-up working as documented: nothing to warn of
+	// (review of issue 31: every start warned to do what the cron job does).
+	quiet := &testenv.Logs{}
+	cron, err := once.New(ctx, once.Config{Brokers: brokers, DB: testenv.PoolAs(t, admin, role), Tables: tables, Registry: prometheus.NewRegistry(),
+		MaintenanceInterval: -1, Logger: slog.New(slog.NewTextHandler(quiet, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		Topics: []once.Binding{once.Topic[ping]{Name: testenv.Topic(t, brokers, 1), Decode: decodePing,
+			Groups: []once.Group[ping]{{Name: "least-" + uuid.NewString()[:8], Handle: func(context.Context, pgx.Tx, ping) error { return nil }}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start(t, cron)
+	testenv.Eventually(t, 30*time.Second, "the start-up pass refused and said so", func() bool {
+		return strings.Contains(quiet.String(), "retention passes are the tables' owner's")
+	})
+	if strings.Contains(quiet.String(), "level=WARN") || strings.Contains(quiet.String(), "level=ERROR") {
+		t.Fatalf("retention left to the owner's cron job, yet warned or erred:\n%s", quiet.String())
+	}
 }

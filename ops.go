@@ -17,8 +17,8 @@ import (
 // Handler answers the operations endpoints: GET /metrics (Prometheus, the
 // service's registry), GET /healthz (200 while the process runs) and GET
 // /readyz (200 once every database answers and every group has joined its
-// Kafka group; 503 with the reason otherwise). Mount it on a listener of
-// your own (loopback, or the pod's).
+// Kafka group, while Kafka answers; 503 with the reason otherwise). Mount
+// it on a listener of your own (loopback, or the pod's).
 func (s *Service) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{Registry: s.registry}))
@@ -34,7 +34,8 @@ func (s *Service) Handler() http.Handler {
 }
 
 // Ready reports why the service is not ready, or nil: every database
-// answers within 2 seconds, and every group has joined its Kafka group.
+// answers within 2 seconds, every group has joined its Kafka group, and
+// Kafka has answered within BrokerTimeout.
 func (s *Service) Ready(ctx context.Context) error {
 	s.mu.Lock()
 	running := s.running
@@ -50,6 +51,10 @@ func (s *Service) Ready(ctx context.Context) error {
 		}
 	}
 	for _, st := range s.pipeline.Status() {
+		if st.KafkaSilent > 0 {
+			return fmt.Errorf("kafka has not answered for %s (BrokerTimeout %s): group %s on %s", st.KafkaSilent.Round(time.Second),
+				s.cfg.BrokerTimeout, st.Group, st.Topic)
+		}
 		if !st.Joined {
 			return fmt.Errorf("group %s has not joined on %s yet", st.Group, st.Topic)
 		}

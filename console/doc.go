@@ -22,6 +22,13 @@
 // grouped by source topic and group, not by reason, and a reason filter
 // is refused (a pattern would read the reason a letter at a time).
 //
+// A letter whose group recorded its verdict with the event's claim
+// (dlq.HeaderVerdict: a declined charge) is marked as such to anyone: a
+// replay cannot change it, and its replay's POST is refused unless the
+// person ticked, on the confirmation, that they know; a filtered
+// replay's confirmation offers the same replay with the verdicts left out
+// (counted). Replay links are shown to a signed-in person only.
+//
 // Replay and forget are POSTs that must come from the console's own pages
 // (Origin and Sec-Fetch-Site checked, and a CSRF token). It shows no
 // setting: no database URL, broker credential or key.

@@ -216,7 +216,12 @@ type letterView struct {
 	EventTime             time.Time
 	Age, LetterAge        time.Duration
 	InWindow              bool
-	Link                  template.URL
+	// Verdict: its group recorded its verdict with the event's claim
+	// (dlq.HeaderVerdict), which a replay cannot change. Shown to anyone:
+	// the pipeline writes the header, with one value, and it tells nothing
+	// of the event.
+	Verdict bool
+	Link    template.URL
 	// Where the letter's message was consumed: its source partition and
 	// offset, from the library's own headers.
 	SourcePartition, SourceOffset string
@@ -273,6 +278,7 @@ func (c *Console) view(e dlq.Entry, lastError string, now time.Time, hidden stri
 		Age: now.Sub(e.EventTime), LetterAge: now.Sub(e.LetterAt),
 		SourcePartition: shownNumber(e.Headers[pipeline.MetaKafkaPartition]), SourceOffset: shownNumber(e.Headers[pipeline.MetaKafkaOffset])}
 	v.InWindow = c.cfg.ReplayWindow == 0 || v.Age <= c.cfg.ReplayWindow
+	v.Verdict = e.Verdict
 	v.Link = template.URL(url.Values{"topic": {e.DLQTopic}, "partition": {strconv.Itoa(int(e.Partition))}, "offset": {strconv.FormatInt(e.Offset, 10)}}.Encode())
 	if hidden != "" {
 		v.Hidden = hidden
@@ -483,8 +489,17 @@ type confirmData struct {
 	Letters  []letterView // at most Limit of them
 	InWindow int64
 	Stale    int64
-	NotYet   int64  // partitions a filtered replay stops in, at a letter too young
-	Plan     string // the confirmation's id, which its form posts
+	NotYet   int64 // partitions a filtered replay stops in, at a letter too young
+	// Verdicts is how many of the letters the replay sends are of events
+	// whose group recorded its verdict: for that group the replay is a
+	// duplicate. The form then asks the person to say they know.
+	Verdicts int64
+	// SkipVerdicts: a filtered replay that leaves the recorded verdicts
+	// out (the confirmation's "without them" link, verdicts=skip);
+	// SkippedVerdicts counts them.
+	SkipVerdicts    bool
+	SkippedVerdicts int64
+	Plan            string // the confirmation's id, which its form posts
 	// After the replay:
 	ID     string // the report's, for the inbox's links
 	Report dlq.Report
@@ -502,7 +517,16 @@ type plan struct {
 	offset int64
 	filter filterForm
 	until  map[dlq.Position]int64
+	// verdicts: letters of recorded verdicts among those it sends; its
+	// POST must say the person knows (knowsDuplicate), or it is refused.
+	verdicts int64
+	// skipVerdicts: a filtered replay that leaves them out.
+	skipVerdicts bool
 }
+
+// knowsDuplicate is the confirmation's box a person ticks to replay
+// letters whose group recorded its verdict.
+const knowsDuplicate = "duplicate"
 
 // maxKept is how many confirmations and reports each are kept.
 const maxKept = 100
@@ -563,10 +587,13 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 		d := confirmData{One: &v}
 		if v.InWindow {
 			d.InWindow = 1
+			if v.Verdict {
+				d.Verdicts = 1
+			}
 		} else {
 			d.Stale = 1
 		}
-		d.Plan, err = c.plans.put(plan{one: &dlq.Position{Topic: rt.DLQTopic, Partition: p}, offset: o})
+		d.Plan, err = c.plans.put(plan{one: &dlq.Position{Topic: rt.DLQTopic, Partition: p}, offset: o, verdicts: d.Verdicts})
 		c.render(w, r, http.StatusOK, "confirm", "Replay one letter?", d, err)
 		return
 	}
@@ -584,26 +611,29 @@ func (c *Console) confirmReplay(w http.ResponseWriter, r *http.Request) {
 	// A dry run from the replay's own progress: the counts are what the
 	// replay will send, not every letter on the topics (letters an earlier
 	// replay with this filter sent are not sent again).
-	d := confirmData{Filter: ff}
-	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, true, nil, func(e dlq.Entry, o dlq.Outcome) {
+	d := confirmData{Filter: ff, SkipVerdicts: r.FormValue("verdicts") == "skip"}
+	rep, err := dlq.ReplayRoutes(r.Context(), c.replayConfig(f, d.SkipVerdicts, true, nil, func(e dlq.Entry, o dlq.Outcome) {
+		if o == dlq.Replayed && e.Verdict {
+			d.Verdicts++
+		}
 		if (o == dlq.Replayed || o == dlq.SkippedStale) && len(d.Letters) < c.cfg.Limit {
 			d.Letters = append(d.Letters, c.view(e, "", now, hidden, false))
 		}
 	}), c.cfg.Routes)
-	d.InWindow, d.Stale, d.NotYet = rep.Replayed, rep.SkippedStale, rep.NotYet
+	d.InWindow, d.Stale, d.NotYet, d.SkippedVerdicts = rep.Replayed, rep.SkippedStale, rep.NotYet, rep.SkippedVerdicts
 	if err != nil {
 		// Counts read in part are no promise: no form to confirm them.
 		c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 		return
 	}
-	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends})
+	d.Plan, err = c.plans.put(plan{filter: ff, until: rep.Ends, verdicts: d.Verdicts, skipVerdicts: d.SkipVerdicts})
 	c.render(w, r, http.StatusOK, "confirm", "Replay these letters?", d, err)
 }
 
 // replayConfig is the configuration of a replay of a filtered group (in a
 // dry run, of its confirmation), telling each letter's outcome to each.
-func (c *Console) replayConfig(f dlq.Filter, dryRun bool, until map[dlq.Position]int64, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
-	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow,
+func (c *Console) replayConfig(f dlq.Filter, skipVerdicts, dryRun bool, until map[dlq.Position]int64, each func(dlq.Entry, dlq.Outcome)) dlq.Config {
+	return dlq.Config{Brokers: c.cfg.Brokers, Sarama: c.cfg.Sarama, Group: c.cfg.ReplayGroup, MaxAge: c.cfg.ReplayWindow, SkipVerdicts: skipVerdicts,
 		Filter: f, Now: c.cfg.Now, DryRun: dryRun, Until: until, Each: each}
 }
 
@@ -625,6 +655,17 @@ func (c *Console) databaseClocks(r *http.Request) map[string]time.Time {
 }
 
 func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
+	// Looked at before it is taken: a form posted without the box ticked
+	// leaves its plan for the form posted again with it.
+	if pl, ok := c.plans.get(r.PostFormValue("plan")); ok && pl.verdicts > 0 && r.PostFormValue(knowsDuplicate) != "yes" {
+		instead := "Go back and tick the box that says you know."
+		if pl.one == nil {
+			instead = "Go back and tick the box that says you know, or follow its link \"Replay without them\", which leaves them out."
+		}
+		c.fail(w, r, http.StatusBadRequest, fmt.Sprintf("Not replayed: %d of these letters are of events whose group recorded its verdict with the event's claim, "+
+			"which a replay cannot change (for that group it is a duplicate). %s", pl.verdicts, instead))
+		return
+	}
 	pl, ok := c.plans.take(r.PostFormValue("plan"))
 	if !ok {
 		c.fail(w, r, http.StatusConflict, "This confirmation was used already, or is no longer kept: a replay is sent once per confirmation. Open the letters and confirm again.")
@@ -646,7 +687,7 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 			v := c.view(e, "", now, hiddenInReport, false)
 			d.One = &v
 		}
-		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID,
+		c.cfg.Logger.Warn("console: replayed a dead letter", "dlq", rt.DLQTopic, "partition", pl.one.Partition, "offset", pl.offset, "event_id", e.EventID, "verdicts", pl.verdicts,
 			"replayed", d.Report.Replayed, "skipped_stale", d.Report.SkippedStale, "remote", r.RemoteAddr, "err", err)
 	} else {
 		f, ferr := pl.filter.filter()
@@ -654,14 +695,14 @@ func (c *Console) replay(w http.ResponseWriter, r *http.Request) {
 			c.fail(w, r, http.StatusBadRequest, ferr.Error())
 			return
 		}
-		d.Filter = pl.filter
-		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
+		d.Filter, d.SkipVerdicts = pl.filter, pl.skipVerdicts
+		d.Report, err = dlq.ReplayRoutes(r.Context(), c.replayConfig(f, pl.skipVerdicts, false, pl.until, func(e dlq.Entry, o dlq.Outcome) {
 			if o == dlq.Replayed && len(d.Letters) < c.cfg.Limit {
 				d.Letters = append(d.Letters, c.view(e, "", now, hiddenInReport, false))
 			}
 		}), c.cfg.Routes)
-		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed,
-			"skipped_stale", d.Report.SkippedStale, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
+		c.cfg.Logger.Warn("console: replayed dead letters", "filter", string(pl.filter.Query()), "replayed", d.Report.Replayed, "verdicts", pl.verdicts,
+			"skipped_stale", d.Report.SkippedStale, "skipped_verdicts", d.Report.SkippedVerdicts, "filtered", d.Report.Filtered, "remote", r.RemoteAddr, "err", err)
 	}
 	if err != nil {
 		d.Err = err.Error()
@@ -697,11 +738,15 @@ type groupsData struct {
 	Holds      []holdRow
 	Lag        []lagRow
 	TotalLag   int64
+	// LagUnknown: some or all of the lag could not be read from Kafka
+	// (the page's error says why); what could not is unknown, not 0.
+	LagUnknown bool
 }
 
 type groupRow struct {
 	Topic, Group string
 	Joined       bool
+	KafkaSilent  time.Duration // Kafka has not answered for this long (then not Joined)
 	Partitions   string
 	Held         int
 	OldestHeld   time.Duration
@@ -750,7 +795,7 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		if order == "" {
 			order = "batched"
 		}
-		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld,
+		d.Status = append(d.Status, groupRow{Topic: s.Topic, Group: s.Group, Joined: s.Joined, KafkaSilent: s.KafkaSilent, Partitions: strings.Join(parts, ", "), Held: s.Held, OldestHeld: s.OldestHeld,
 			Order: order, KeyOrdered: s.Order == pipeline.OrderKey, HeldKeys: s.HeldKeys, Pinned: s.Pinned, WindowFull: s.WindowFull})
 	}
 	for _, h := range c.cfg.Groups.Holds() {
@@ -775,6 +820,7 @@ func (c *Console) groups(w http.ResponseWriter, r *http.Request) {
 		d.TotalLag += l.Lag
 	}
 	if err != nil {
+		d.LagUnknown = true
 		err = fmt.Errorf("lag from Kafka: %w", err)
 	}
 	c.render(w, r, http.StatusOK, "groups", "Groups", d, err)

@@ -60,8 +60,10 @@ running_pid() {
 write_config() {
 	mkdir -p "$bdir"
 	# Every client is the test cluster's user "once" (trust, as the cluster
-	# itself); any database name goes to the server of the same name.
-	echo '"once" ""' >"$bdir/users.txt"
+	# itself), or one of the login roles of docs/operating.md's "Least
+	# privilege" (its tests log in as them); any database name goes to the
+	# server of the same name.
+	printf '"%s" ""\n' once billing_svc analytics_svc >"$bdir/users.txt"
 	cat >"$bdir/pgbouncer.ini" <<INI
 [databases]
 * = host=127.0.0.1 port=$pg_port
@@ -99,6 +101,10 @@ start() {
 	local bin pid
 	bin=$(binary)
 	if pid=$(running_pid); then
+		# Its users as this script writes them now (PgBouncer reads the
+		# file again on SIGHUP).
+		write_config
+		kill -HUP "$pid"
 		log "reusing running PgBouncer (pid $pid)"
 		echo "$url"
 		return

@@ -37,6 +37,30 @@ const HeaderReplayedFrom = "dlq_replayed_from"
 // window judges, comes from then.
 const HeaderEventID = "once_event_id"
 
+// HeaderVerdict, with the value [VerdictRecorded], is on the letters of
+// events whose group recorded its own verdict with the event's claim
+// (idempotency.RejectAfterCommit: a charge the provider declined, marked
+// failed). A replay cannot change that verdict: the group finds the claim
+// and skips the replay as a duplicate; with the claim forgotten, a handler
+// that meets its own record gives the same verdict again (billing does) and
+// the new letter carries the header too.
+//
+// A letter without it is one whose group committed no claim of the event:
+// a payload that does not decode, a handler's permanent error (the
+// attempt rolled back), or a payload mismatch (the group's claim of the
+// event id is another payload's). A replay runs the group's checks and
+// handler again, and they decide anew from what they find: what the
+// handler wrote outside its transaction or in other events' records stays
+// (billing's unsettled charge intent after a reused idempotency key, or
+// another event's payment for the order, refuse it again until a person
+// reconciles), and a mismatch is dead-lettered again while that claim
+// stands. The header is set by the pipeline alone: one a message arrives
+// with is not kept on its letter, and a replay sends none.
+const HeaderVerdict = "once_verdict"
+
+// VerdictRecorded is [HeaderVerdict]'s value.
+const VerdictRecorded = "recorded"
+
 // Config configures [Replay].
 type Config struct {
 	Brokers []string
@@ -52,6 +76,12 @@ type Config struct {
 	// provider's key retention, where a replayed charge whose transaction
 	// had rolled back would charge again. 0 replays all.
 	MaxAge time.Duration
+	// SkipVerdicts skips (and counts) the letters of recorded verdicts
+	// ([HeaderVerdict]): for their group a replay is a duplicate that
+	// changes nothing. Like a stale letter, a skipped one is done for this
+	// progress: send it later alone ([ReplayLetter]) or from a progress
+	// group of its own. Default false: every letter is sent.
+	SkipVerdicts bool
 	// Filter replays only the letters it selects; the others stay for a
 	// later replay (a filtered replay keeps its progress in a group of its
 	// own, see progressGroup). With a MinAge, a partition's replay stops at
@@ -85,10 +115,11 @@ type Position struct {
 type Outcome int
 
 const (
-	Replayed     Outcome = iota // sent again to its topic
-	SkippedStale                // its event is older than MaxAge
-	Filtered                    // the filter leaves it out
-	NotYet                      // too young for the filter's MinAge: its partition stops there
+	Replayed       Outcome = iota // sent again to its topic
+	SkippedStale                  // its event is older than MaxAge
+	Filtered                      // the filter leaves it out
+	NotYet                        // too young for the filter's MinAge: its partition stops there
+	SkippedVerdict                // its group's recorded verdict, with SkipVerdicts
 )
 
 // Report says what a replay did.
@@ -97,7 +128,9 @@ type Report struct {
 	SkippedStale int64
 	Filtered     int64 // left out by the filter, for good
 	NotYet       int64 // partitions stopped at a letter too young for the filter's MinAge
-	ByTopic      map[string]int64
+	// SkippedVerdicts: letters of recorded verdicts left out (SkipVerdicts).
+	SkippedVerdicts int64
+	ByTopic         map[string]int64
 	// Ends is where each partition's read ended: [Config.Until] for a
 	// replay that is to do what this one (a dry run) said.
 	Ends map[Position]int64
@@ -124,6 +157,7 @@ var dropped = map[string]bool{
 	"kafka_key":                      true,
 	HeaderReplayedFrom:               true,
 	HeaderEventID:                    true, // the pipeline's reading of this delivery: it reads the replay afresh
+	HeaderVerdict:                    true,
 }
 
 // Replay republishes every dead letter not yet replayed, up to the end of the
@@ -361,6 +395,11 @@ func replayOne(cfg Config, producer sarama.SyncProducer, m *sarama.ConsumerMessa
 		tell(SkippedStale)
 		return nil
 	}
+	if cfg.SkipVerdicts && e.Verdict {
+		rep.SkippedVerdicts++
+		tell(SkippedVerdict)
+		return nil
+	}
 	topic := cfg.Topic
 	var key sarama.Encoder
 	var headers []sarama.RecordHeader
@@ -430,6 +469,7 @@ func (r *Report) add(o Report) {
 	r.SkippedStale += o.SkippedStale
 	r.Filtered += o.Filtered
 	r.NotYet += o.NotYet
+	r.SkippedVerdicts += o.SkippedVerdicts
 	for t, n := range o.ByTopic {
 		r.ByTopic[t] += n
 	}

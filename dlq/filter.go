@@ -82,6 +82,9 @@ type Entry struct {
 	Topic     string // where it was consumed from
 	Group     string
 	Reason    string
+	// Verdict: its group recorded its verdict with the event's claim
+	// ([HeaderVerdict]), and a replay cannot change it.
+	Verdict   bool
 	EventTime time.Time // from the event id, else the record's timestamp
 	LetterAt  time.Time // when it reached the dead-letter topic
 	Payload   []byte
@@ -111,6 +114,7 @@ func entryOf(m *sarama.ConsumerMessage) Entry {
 		}
 	}
 	e.EventID = eventIDOf(m.Value, e.Headers[HeaderEventID])
+	e.Verdict = e.Headers[HeaderVerdict] == VerdictRecorded
 	return e
 }
 

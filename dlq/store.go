@@ -15,6 +15,7 @@ import (
 
 	"github.com/once-dev/once/internal/durable"
 	"github.com/once-dev/once/internal/kafkasend"
+	"github.com/once-dev/once/internal/retrylog"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
 )
@@ -225,7 +226,12 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 	t := time.NewTicker(cfg.PollInterval)
 	defer t.Stop()
 	var pruned time.Time
+	// A database that fails the reads is read again after a backoff, with
+	// one line per step: not a line every PollInterval.
+	steps := retrylog.Steps{First: time.Second, Last: cfg.MaxBackoff}
+	host := retrylog.Host(cfg.DB)
 	for {
+		wait := time.Duration(0)
 		if time.Since(pruned) > time.Hour {
 			if _, err := s.PruneSources(ctx, cfg.DB, cfg.SourceRetention); err != nil && ctx.Err() == nil {
 				cfg.Logger.Warn("dead letters: cannot forget old sources; trying again in an hour", "err", err)
@@ -235,11 +241,25 @@ func (s *Store) Drain(ctx context.Context, cfg DrainConfig) {
 		for {
 			n, err := s.DrainOnce(ctx, cfg)
 			if err != nil && ctx.Err() == nil {
-				cfg.Logger.Warn("dead letters: cannot read the parked ones; trying again", "err", err)
+				var since time.Time
+				wait, since = steps.Failed()
+				level, class, action := retrylog.Class(err)
+				cfg.Logger.Log(ctx, level, fmt.Sprintf("dead letters: cannot read the parked ones on database %s: %s; retrying in %s", host, action, wait),
+					"database", host, "table", s.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+			} else if recovered, failing := steps.Worked(); err == nil && recovered {
+				cfg.Logger.Info("dead letters: reading the parked ones again", "database", host, "table", s.table, "failing_for", failing)
 			}
 			if n == 0 || err != nil || ctx.Err() != nil {
 				break
 			}
+		}
+		if wait > 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(wait):
+			}
+			continue
 		}
 		select {
 		case <-ctx.Done():
@@ -408,7 +428,7 @@ func (s *Store) List(ctx context.Context, db pgdb.DB, limit int) ([]Parked, erro
 func (p Parked) Entry() Entry {
 	return Entry{DLQTopic: p.Topic, Partition: -1, Offset: -1, EventID: eventIDOf(p.Payload, p.Headers[HeaderEventID]),
 		Topic: p.Headers[middleware.PoisonedTopicKey], Group: p.Headers[middleware.PoisonedHandlerKey],
-		Reason: p.Headers[middleware.ReasonForPoisonedKey], EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
+		Reason: p.Headers[middleware.ReasonForPoisonedKey], Verdict: p.Headers[HeaderVerdict] == VerdictRecorded, EventTime: p.CreatedAt, LetterAt: p.CreatedAt,
 		Payload: p.Payload, Headers: p.Headers}
 }
 

@@ -194,7 +194,7 @@ func (s *scenario) guidesProducer(asStrings, asNumbers int, dupRate string, duri
 			t.Errorf("%s skipped %d duplicates, want at least %d (produce.py re-published that many)", g, d, all-len(s.events))
 		}
 	}
-	if n := o.lines["dead-lettered"]; n != 0 {
+	if n := o.deadLettered(); n != 0 {
 		t.Errorf("%d messages dead-lettered; the guide's events must all be accepted", n)
 	}
 	a.stop(t)

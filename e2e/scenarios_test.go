@@ -28,7 +28,10 @@ func scale(n int) int {
 
 func runDLQReplay(s *scenario) {
 	s.t.Helper()
-	p := s.start("dlq-replay", "dlq", "replay", "--topic-suffix", s.suffix, "--group", "dlq-replay"+s.suffix, "--max-age", "1h")
+	// --include-verdicts: the declined charges' letters are the
+	// scenarios' source of replayed duplicates (dlq replay skips a
+	// recorded verdict by default).
+	p := s.start("dlq-replay", "dlq", "replay", "--topic-suffix", s.suffix, "--group", "dlq-replay"+s.suffix, "--max-age", "1h", "--include-verdicts")
 	select {
 	case <-p.done:
 	case <-time.After(60 * time.Second):

@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"time"
 
 	wmetrics "github.com/ThreeDotsLabs/watermill/components/metrics"
@@ -50,7 +51,7 @@ type Metrics struct {
 	batchRunAlone, batchDeadlocks     *prometheus.CounterVec
 	afterEffects                      *prometheus.CounterVec
 	forwarded                         *prometheus.CounterVec
-	lag, joined, assigned             *prometheus.GaugeVec
+	lag, lagUnknown, joined, assigned *prometheus.GaugeVec
 	held, oldestHeld                  *prometheus.GaugeVec
 	heldKeys, pinned, windowFull      *prometheus.GaugeVec
 	claimPartitions, oldestClaimAge   *prometheus.GaugeVec
@@ -58,7 +59,31 @@ type Metrics struct {
 	watchErrors                       *prometheus.CounterVec
 	retentionPasses                   *prometheus.CounterVec
 	retentionLastSuccess              prometheus.Gauge
+
+	// lagMu guards lagFailed, by the partitions this Metrics has seen
+	// (read, or assigned to this process; others may share the
+	// collectors) the failed lag reads since the last that read it, and
+	// lagBusy, a lag read under way: a read of a broker that does not
+	// answer may take sarama's timeouts, and must hold up neither the other
+	// gauges nor a second read.
+	lagMu     sync.Mutex
+	lagFailed map[[3]string]int
+	lagBusy   bool
 }
+
+// LagUnknownAfter is how many lag reads in a row must fail to read a
+// partition before its lag is unknown (its once_consumer_lag series
+// removed, once_consumer_lag_unknown 1); until then it keeps its last
+// value. One failed read is mostly a leader moving or a request timing
+// out, which the next read gets past; a series removed for it would reset
+// OnceConsumerLagGrowing's 10 minutes (a failed read every few minutes
+// would silence it while the lag grows). Three in a row is 30s at app
+// serve's watch interval (10s): a value at most that stale, well inside
+// the lag alerts' windows, and a partition that stays unreadable is
+// unknown long before OnceConsumerLagUnknown's 2m. While Kafka does not
+// answer at all (longer than the broker timeout) the lag is unknown at
+// once.
+const LagUnknownAfter = 3
 
 // Buckets of the claim's phases: a claim takes about a millisecond on a
 // healthy database, a commit with fsync a few.
@@ -88,9 +113,11 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: Namespace, Name: "outbox_forwarded_total",
 			Help: "Events of the consumer outbox that reached Kafka."}, []string{"topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag",
-			Help: "Messages not yet committed by the group: the partition's high watermark minus the group's committed offset, read from Kafka."}, append(tg, "partition")),
+			Help: "Messages not yet committed by the group: the partition's high watermark minus the group's committed offset, read from Kafka; no series while it is unknown (once_consumer_lag_unknown)."}, append(tg, "partition")),
+		lagUnknown: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "consumer_lag_unknown",
+			Help: "1 while the partition's lag is unknown (Kafka silent for longer than the broker timeout, or 3 reads in a row failed to read it; it has no once_consumer_lag series then), 0 while it is read."}, append(tg, "partition")),
 		joined: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_joined",
-			Help: "1 once the group has joined its consumer group in this process."}, tg),
+			Help: "1 once the group has joined its consumer group in this process, while Kafka answers it (within the broker timeout)."}, tg),
 		assigned: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "group_partitions",
 			Help: "Partitions assigned to this process in the group's current session."}, tg),
 		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: Namespace, Name: "held_messages",
@@ -135,6 +162,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m.batchDeadlocks = register(reg, m.batchDeadlocks, &errs)
 	m.forwarded = register(reg, m.forwarded, &errs)
 	m.lag = register(reg, m.lag, &errs)
+	m.lagUnknown = register(reg, m.lagUnknown, &errs)
 	m.joined = register(reg, m.joined, &errs)
 	m.assigned = register(reg, m.assigned, &errs)
 	m.held = register(reg, m.held, &errs)
@@ -256,8 +284,13 @@ type Stores []Store
 
 // Watch refreshes the gauges that are read rather than counted (consumer
 // lag from Kafka, the pipeline's status, the claim tables and parked dead
-// letters) every interval until ctx ends. A failed read keeps the last
-// values and counts once_watch_errors_total.
+// letters) every interval until ctx ends. A failed read counts
+// once_watch_errors_total; a failed read of the claim tables keeps their
+// last values. A partition's lag keeps its last value through fewer than
+// [LagUnknownAfter] failed reads in a row; after that, or while Kafka is
+// silent, it has no series and once_consumer_lag_unknown is 1 until it is
+// read again (unknown, not the last value: a lag that stood still while
+// the broker hung would look like a consumer keeping up).
 func (m *Metrics) Watch(ctx context.Context, p *pipeline.Pipeline, stores Stores, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -271,7 +304,83 @@ func (m *Metrics) Watch(ctx context.Context, p *pipeline.Pipeline, stores Stores
 	}
 }
 
+// refreshLag reads the lag on its own goroutine, one read at a time: while
+// one is under way, the series it would set stay as they are until it
+// returns, unless the pipeline reports Kafka silent, which makes the lag
+// unknown at once. Watch does not wait for a read under way when it ends
+// (a stop must not wait on a broker that does not answer); the read sets
+// nothing then.
+func (m *Metrics) refreshLag(ctx context.Context, p *pipeline.Pipeline) {
+	m.lagMu.Lock()
+	defer m.lagMu.Unlock()
+	silent := false
+	var assigned []pipeline.PartitionLag // partitions that exist, whether read or not
+	for _, s := range p.Status() {
+		silent = silent || s.KafkaSilent > 0
+		for _, part := range s.Partitions {
+			assigned = append(assigned, pipeline.PartitionLag{Topic: s.Topic, Group: s.Group, Partition: part})
+		}
+	}
+	if silent {
+		m.lagReadLocked(nil, true, assigned)
+	}
+	if m.lagBusy {
+		return
+	}
+	m.lagBusy = true
+	go func() {
+		lags, err := p.Lag(ctx)
+		if err != nil && ctx.Err() == nil {
+			m.watchErrors.WithLabelValues("kafka").Inc()
+		}
+		m.lagMu.Lock()
+		defer m.lagMu.Unlock()
+		m.lagBusy = false
+		if ctx.Err() == nil {
+			m.lagReadLocked(lags, errors.Is(err, pipeline.ErrKafkaSilent), assigned)
+		}
+	}()
+}
+
+// lagReadLocked records a lag read: the partitions of lags were read; every
+// other partition seen (in an earlier read, or among assigned) was not,
+// and its lag becomes unknown when silent or after LagUnknownAfter such
+// reads in a row, else keeps its last value. Caller holds lagMu.
+func (m *Metrics) lagReadLocked(lags []pipeline.PartitionLag, silent bool, assigned []pipeline.PartitionLag) {
+	if m.lagFailed == nil {
+		m.lagFailed = map[[3]string]int{}
+	}
+	key := func(l pipeline.PartitionLag) [3]string {
+		return [3]string{l.Topic, l.Group, strconv.Itoa(int(l.Partition))}
+	}
+	for _, l := range assigned {
+		if _, seen := m.lagFailed[key(l)]; !seen {
+			m.lagFailed[key(l)] = 0
+		}
+	}
+	read := make(map[[3]string]bool, len(lags))
+	for _, l := range lags {
+		k := key(l)
+		read[k] = true
+		m.lagFailed[k] = 0
+		m.lag.WithLabelValues(k[0], k[1], k[2]).Set(float64(l.Lag))
+		m.lagUnknown.WithLabelValues(k[0], k[1], k[2]).Set(0)
+	}
+	for k, failed := range m.lagFailed {
+		if read[k] {
+			continue
+		}
+		failed++
+		m.lagFailed[k] = failed
+		if silent || failed >= LagUnknownAfter {
+			m.lag.DeleteLabelValues(k[0], k[1], k[2])
+			m.lagUnknown.WithLabelValues(k[0], k[1], k[2]).Set(1)
+		}
+	}
+}
+
 func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stores, timeout time.Duration) {
+	m.refreshLag(ctx, p)
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for _, s := range p.Status() {
@@ -286,13 +395,6 @@ func (m *Metrics) refresh(ctx context.Context, p *pipeline.Pipeline, stores Stor
 		m.heldKeys.WithLabelValues(s.Topic, s.Group).Set(float64(s.HeldKeys))
 		m.pinned.WithLabelValues(s.Topic, s.Group).Set(s.Pinned.Seconds())
 		m.windowFull.WithLabelValues(s.Topic, s.Group).Set(float64(s.WindowFull))
-	}
-	lags, err := p.Lag(ctx)
-	if err != nil {
-		m.watchErrors.WithLabelValues("kafka").Inc()
-	}
-	for _, l := range lags {
-		m.lag.WithLabelValues(l.Topic, l.Group, strconv.Itoa(int(l.Partition))).Set(float64(l.Lag))
 	}
 	for _, s := range stores {
 		if err := m.readStore(ctx, s); err != nil {

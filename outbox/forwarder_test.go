@@ -2,10 +2,8 @@ package outbox_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -60,15 +58,8 @@ func TestAStopMidPollLogsNoError(t *testing.T) {
 	if held.Load() == 0 {
 		t.Fatal("no poll reached its commit: the stop was not staged")
 	}
-	dec := json.NewDecoder(strings.NewReader(logged.String()))
-	for dec.More() {
-		var line map[string]any
-		if err := dec.Decode(&line); err != nil {
-			t.Fatal(err)
-		}
-		if line["level"] == "ERROR" {
-			t.Errorf("the stop logged an ERROR: %v", line)
-		}
+	for _, line := range logged.JSONLines(t, "ERROR") {
+		t.Errorf("the stop logged an ERROR: %v", line)
 	}
 }
 

@@ -3,12 +3,15 @@ package outbox
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -21,6 +24,7 @@ import (
 	"go.opentelemetry.io/otel"
 
 	"github.com/once-dev/once/internal/kafkasend"
+	"github.com/once-dev/once/internal/retrylog"
 	"github.com/once-dev/once/internal/tracing"
 	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
@@ -52,6 +56,7 @@ type Outbox struct {
 	schema  insertAsText
 	offsets watermillsql.DefaultPostgreSQLOffsetsAdapter
 	wlog    watermill.LoggerAdapter
+	log     *slog.Logger
 }
 
 // DefaultIdleInTransactionTimeout is the forwarder's bound on an idle
@@ -75,6 +80,7 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 		wlog: stopQuiet{watermill.NewSlogLoggerWithLevelMapping(logger, map[slog.Level]slog.Level{
 			slog.LevelInfo: slog.LevelDebug, // per-message details
 		})},
+		log: logger,
 	}, nil
 }
 
@@ -86,7 +92,9 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 type stopQuiet struct{ watermill.LoggerAdapter }
 
 func (l stopQuiet) Error(msg string, err error, fields watermill.LogFields) {
-	if errors.Is(err, context.Canceled) {
+	// A failed poll's rollback fails too when the database went away:
+	// the poll's error is logged once per backoff step (pollBackoff).
+	if errors.Is(err, context.Canceled) || msg == "could not rollback tx for querying message" {
 		l.LoggerAdapter.Debug(msg, fields.Add(watermill.LogFields{"err": err}))
 		return
 	}
@@ -235,17 +243,271 @@ func (o *Outbox) Init(ctx context.Context, db pgdb.DB) error {
 }
 
 func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, error) {
-	sub, err := watermillsql.NewSubscriber(watermillsql.BeginnerFromPgx(idleBounded{db, o.idleLimit()}), watermillsql.SubscriberConfig{
-		ConsumerGroup:    forwarderGroup,
-		PollInterval:     50 * time.Millisecond,
+	sub, _, err := o.subscriberWatched(db, initialize)
+	return sub, err
+}
+
+// subscriberWatched is subscriber; for a forwarder (not initialize) it
+// also returns the watch on its progress row, which the forwarder closes on.
+func (o *Outbox) subscriberWatched(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, *progressWatch, error) {
+	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
+		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
+	progress := forwarderGroup
+	var beginner watermillsql.Beginner = rowsErrBeginner{watermillsql.BeginnerFromPgx(idleBounded{db, o.idleLimit()}), backoff}
+	var watch *progressWatch
+	if !initialize {
+		// Forwarder takes no context; the question is one short query.
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		var err error
+		if progress, err = o.progress(ctx, db); err != nil {
+			return nil, nil, err
+		}
+		watch = &progressWatch{Beginner: beginner, o: o, db: db, name: progress, checked: time.Now()}
+		beginner = watch
+	}
+	sub, err := watermillsql.NewSubscriber(beginner, watermillsql.SubscriberConfig{
+		ConsumerGroup:    progress,
+		PollInterval:     pollInterval,
 		SchemaAdapter:    o.schema,
 		OffsetsAdapter:   o.offsets,
 		InitializeSchema: initialize,
+		BackoffManager:   backoff,
 	}, o.wlog)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
+		return nil, nil, fmt.Errorf("outbox: subscriber on %s: %w", o.tables.OutboxTable(), err)
 	}
-	return sub, nil
+	return sub, watch, nil
+}
+
+// progressCheckEvery is how often a running forwarder asks again which
+// progress row is its own.
+const progressCheckEvery = 5 * time.Second
+
+// progressWatch begins the forwarder's transactions and, every
+// progressCheckEvery, asks again which progress row is the forwarder's
+// (see progress). A migration that turns row security on or changes the
+// policies while the forwarder runs can hide the row it started with:
+// watermill-sql then finds no progress and forwards nothing, saying
+// nothing. On a change the watch closes the forwarder, whose Run returns,
+// so that whoever runs it starts it again on the right row (package
+// pipeline restarts it).
+type progressWatch struct {
+	watermillsql.Beginner
+	o    *Outbox
+	db   pgdb.DB
+	name string
+
+	mu      sync.Mutex
+	checked time.Time
+	stop    func() error
+	changed bool
+}
+
+func (w *progressWatch) BeginTx(ctx context.Context, opts *sql.TxOptions) (watermillsql.Tx, error) {
+	w.mu.Lock()
+	due := !w.changed && time.Since(w.checked) >= progressCheckEvery
+	if due {
+		w.checked = time.Now()
+	}
+	changed := w.changed
+	w.mu.Unlock()
+	if due {
+		now, err := w.o.progress(ctx, w.db)
+		if err == nil && now != w.name {
+			err = &progressRowError{restart: true, err: fmt.Errorf("outbox: the forwarder's progress row is now %s, not %s (a migration changed the row security of %s): restarting the forwarder on it",
+				now, w.name, w.o.tables.OutboxOffsetsTable())}
+			w.mu.Lock()
+			w.changed, changed = true, true
+			stop := w.stop
+			w.mu.Unlock()
+			w.o.log.Info("outbox forwarder restarts on its new progress row", "from", w.name, "to", now, "table", w.o.tables.OutboxOffsetsTable().Qualified)
+			if stop != nil {
+				go func() { _ = stop() }()
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if changed {
+		return nil, &progressRowError{restart: true, err: fmt.Errorf("outbox: the forwarder's progress row %s is no longer its own; the forwarder is closing", w.name)}
+	}
+	return w.Beginner.BeginTx(ctx, opts)
+}
+
+// progressRowError is the forwarder's progress row not being what it
+// should: a restart on a new one (restart), which a migration caused and
+// the watch carries out, or a row security that lets this role see no
+// progress row of its own, which a person must fix (app migrate). Neither
+// is the database being unreachable, which the backoff would otherwise
+// take it for.
+type progressRowError struct {
+	err     error
+	restart bool
+}
+
+func (e *progressRowError) Error() string { return e.err.Error() }
+func (e *progressRowError) Unwrap() error { return e.err }
+
+// progress is the name of the forwarder's progress row in db. Where row
+// security restricts the outbox for the current user (a group's role in a
+// database groups share, as the reference service's migrations set up),
+// the forwarder may see only some rows: with the shared progress it would
+// move past the others, and they would never be sent. A role that sees the
+// shared progress row (kafka_forwarder) is taken to see every row, as the
+// policies that let it see that row let it see every outbox row (a role of
+// no group: the reference service's once_other_roles): it keeps the shared
+// progress. One that does not keeps the one progress row of its own that
+// its policy lets it see (named kafka_forwarder: and its scope, made by
+// the migrations that made the policy); none, or several, is an error
+// rather than a skipped row.
+func (o *Outbox) progress(ctx context.Context, db pgdb.DB) (string, error) {
+	offsets := o.offsets.MessagesOffsetsTable(topic)
+	var restricted bool
+	if err := db.QueryRow(ctx, `SELECT row_security_active($1::regclass)`, offsets).Scan(&restricted); err != nil {
+		return "", fmt.Errorf("outbox: is %s restricted by row security: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	if !restricted {
+		return forwarderGroup, nil
+	}
+	rows, err := db.Query(ctx, `SELECT consumer_group FROM `+offsets+` WHERE consumer_group = $1 OR starts_with(consumer_group, $1 || ':')`, forwarderGroup)
+	if err != nil {
+		return "", fmt.Errorf("outbox: the forwarder's progress in %s: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", fmt.Errorf("outbox: the forwarder's progress in %s: %w", o.tables.OutboxOffsetsTable(), err)
+	}
+	if slices.Contains(names, forwarderGroup) {
+		return forwarderGroup, nil
+	}
+	if len(names) != 1 {
+		return "", &progressRowError{err: fmt.Errorf("outbox: row security restricts %s for this role, which sees %d progress rows named %s:* and not %s, want exactly its own: "+
+			"run the migrations that made its policy (app migrate) as the tables' owner, or forward as a role the policies do not restrict",
+			o.tables.OutboxOffsetsTable(), len(names), forwarderGroup, forwarderGroup)}
+	}
+	return names[0], nil
+}
+
+// rowsErrBeginner makes a read's failure seen. watermill-sql's subscriber
+// never asks its rows for their error, and with pgx a read the server
+// refuses (permission denied for the outbox table) fails there: the poll
+// looked like an empty outbox, forwarding nothing and saying nothing. Its
+// rows' Close returns the error (the subscriber then fails the poll and
+// rolls back), and the backoff logs the error itself, which the
+// subscriber's own wrapping of a Close error loses.
+type rowsErrBeginner struct {
+	watermillsql.Beginner
+	backoff *pollBackoff
+}
+
+func (b rowsErrBeginner) BeginTx(ctx context.Context, opts *sql.TxOptions) (watermillsql.Tx, error) {
+	tx, err := b.Beginner.BeginTx(ctx, opts)
+	if err != nil {
+		return tx, err
+	}
+	return rowsErrTx{tx, b.backoff}, nil
+}
+
+type rowsErrTx struct {
+	watermillsql.Tx
+	backoff *pollBackoff
+}
+
+func (t rowsErrTx) QueryContext(ctx context.Context, query string, args ...any) (watermillsql.Rows, error) {
+	rows, err := t.Tx.QueryContext(ctx, query, args...)
+	if err != nil {
+		return rows, err
+	}
+	return rowsErr{rows, t.backoff}, nil
+}
+
+type rowsErr struct {
+	watermillsql.Rows
+	backoff *pollBackoff
+}
+
+func (r rowsErr) Close() error {
+	err := r.Rows.Close()
+	if e, ok := r.Rows.(interface{ Err() error }); ok && err == nil {
+		err = e.Err()
+	}
+	if err != nil {
+		r.backoff.mu.Lock()
+		r.backoff.readErr = err
+		r.backoff.mu.Unlock()
+	}
+	return err
+}
+
+// pollInterval is how often an idle forwarder reads the outbox; after a
+// failed read it waits pollBackoff's steps instead.
+const pollInterval = 50 * time.Millisecond
+
+// The forwarder's backoff after a failed read of the outbox: it doubles
+// from the first to the last step, and is back to pollInterval after a
+// read that worked.
+const (
+	firstRetry = time.Second
+	lastRetry  = 16 * time.Second
+)
+
+// pollBackoff is the forwarder's backoff after a failed read of the
+// outbox (watermill-sql's retried every second, with an ERROR each time:
+// 150 lines in half a minute of a database outage, naming nothing a
+// person could act on). It logs one line per step, naming the database's
+// host, the table and when it tries again, and one when a read works
+// again.
+type pollBackoff struct {
+	log             *slog.Logger
+	database, table string
+	mu              sync.Mutex
+	steps           retrylog.Steps
+	// readErr: the error of the poll's rows (rowsErr), which the
+	// subscriber returns only as "could not close rows".
+	readErr error
+}
+
+func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err error) time.Duration {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err != nil && b.readErr != nil {
+		err = b.readErr
+	}
+	b.readErr = nil
+	if err == nil {
+		if recovered, failing := b.steps.Worked(); recovered {
+			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", failing)
+		}
+		if noMsg {
+			return pollInterval
+		}
+		return 0
+	}
+	if errors.Is(err, context.Canceled) {
+		return pollInterval // the stop's: the loop ends at once
+	}
+	if pe := (*progressRowError)(nil); errors.As(err, &pe) {
+		if pe.restart {
+			return pollInterval // the watch closes the forwarder; said once there
+		}
+		wait, since := b.steps.Failed()
+		b.log.Error(fmt.Sprintf("outbox forwarder has no progress row of its own on database %s; retrying in %s", b.database, wait),
+			"database", b.database, "table", b.table, "error_class", "refused", "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+		return wait
+	}
+	if msg := strings.ToLower(err.Error()); strings.Contains(msg, "deadlock") || strings.Contains(msg, "concurrent update") {
+		// Two forwarders taking turns on the table: at once again, as
+		// watermill-sql's own backoff does.
+		b.log.Debug("outbox forwarder: a read lost a race with another forwarder; reading again", "table", b.table, "err", err)
+		return 0
+	}
+	wait, since := b.steps.Failed()
+	level, class, action := retrylog.Class(err)
+	b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder cannot read the outbox on database %s: %s; retrying in %s", b.database, action, wait),
+		"database", b.database, "table", b.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+	return wait
 }
 
 func (o *Outbox) idleLimit() time.Duration {
@@ -283,7 +545,7 @@ func (d idleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, e
 // the publish returned, so a crash in between publishes it again. Several
 // forwarders on one table take turns; each message goes out in table order.
 func (o *Outbox) Forwarder(db pgdb.DB, kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
-	sub, err := o.subscriber(db, false)
+	sub, watch, err := o.subscriberWatched(db, false)
 	if err != nil {
 		return nil, err
 	}
@@ -291,6 +553,9 @@ func (o *Outbox) Forwarder(db pgdb.DB, kafkaPublisher message.Publisher) (*forwa
 	if err != nil {
 		return nil, fmt.Errorf("outbox: forwarder: %w", err)
 	}
+	watch.mu.Lock()
+	watch.stop = f.Close
+	watch.mu.Unlock()
 	return f, nil
 }
 
@@ -306,14 +571,46 @@ const pruneSQL = `DELETE FROM %[1]s WHERE ctid IN (
     AND m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
   LIMIT $3)`
 
+// pruneScopedSQL is pruneSQL for an outbox whose rows carry their scope
+// (column group_role: the writer's group role, with row security): a row
+// with one was forwarded by its scope's forwarder and acknowledged in its
+// progress (see progress), and is pruned by that progress only (the shared
+// progress may stand past a group's row that its group has not sent); a
+// row without one is sent by every forwarder, and once any progress stands
+// past it, it was sent.
+const pruneScopedSQL = `DELETE FROM %[1]s WHERE ctid IN (
+  SELECT m.ctid FROM %[1]s m
+  WHERE m.created_at < LOCALTIMESTAMP - make_interval(secs => $2)
+    AND EXISTS (SELECT FROM %[2]s o
+      WHERE (o.consumer_group = $1 || ':' || m.group_role
+             OR (m.group_role IS NULL AND (o.consumer_group = $1 OR starts_with(o.consumer_group, $1 || ':'))))
+        AND (m.transaction_id < o.last_processed_transaction_id
+          OR (m.transaction_id = o.last_processed_transaction_id AND m."offset" <= o.offset_acked)))
+  LIMIT $3)`
+
 // Prune deletes forwarded rows older than olderThan, batch rows per
 // statement, and returns how many it deleted. watermill-sql keeps every row
-// forever; without this the outbox grows with every event.
+// forever; without this the outbox grows with every event. Under a role
+// that row security restricts it prunes the rows it sees against its own
+// progress; under one it does not, rows that carry a scope against their
+// scope's progress.
 func (o *Outbox) Prune(ctx context.Context, db pgdb.DB, olderThan time.Duration, batch int) (int64, error) {
-	q := fmt.Sprintf(pruneSQL, o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic))
+	progress, err := o.progress(ctx, db)
+	if err != nil {
+		return 0, err
+	}
+	messages, offsets := o.schema.MessagesTable(topic), o.offsets.MessagesOffsetsTable(topic)
+	q := fmt.Sprintf(pruneSQL, messages, offsets)
+	var scoped bool
+	if err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = $1::regclass AND attname = 'group_role' AND NOT attisdropped)`, messages).Scan(&scoped); err != nil {
+		return 0, fmt.Errorf("outbox: prune %s: %w", o.tables.OutboxTable(), err)
+	}
+	if scoped && progress == forwarderGroup {
+		q = fmt.Sprintf(pruneScopedSQL, messages, offsets)
+	}
 	var total int64
 	for {
-		tag, err := db.Exec(ctx, q, forwarderGroup, olderThan.Seconds(), batch)
+		tag, err := db.Exec(ctx, q, progress, olderThan.Seconds(), batch)
 		if err != nil {
 			return total, fmt.Errorf("outbox: prune %s: %w", o.tables.OutboxTable(), err)
 		}

@@ -190,7 +190,7 @@ func refuseReturnedMessages(log *slog.Logger, topic, group string) message.Handl
 			out, err := h(msg)
 			if len(out) > 0 {
 				log.Error("dropped messages a middleware returned to publish after the commit; publish them in the claim's transaction instead",
-					"topic", topic, "consumer_group", group, "messages", len(out), "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+					"topic", topic, "consumer_group", group, "messages", len(out), "partition", logPartition(msg), "offset", logOffset(msg))
 			}
 			return nil, err
 		}
@@ -222,8 +222,10 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 				return out, err
 			}
 			var rejected *idempotency.RejectedError
+			var eventID string
 			if !errors.As(err, &rejected) || !rejected.DeadLettered {
-				letter := p.letter(t, g, msg, err)
+				letter := p.letter(t, g, msg, err, rejected != nil)
+				eventID = letter.Headers[dlq.HeaderEventID]
 				revoked := revokedOf(msg)
 				wait := p.cfg.HoldBackoff
 				var heldSince time.Time
@@ -231,7 +233,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					parked, perr := p.park(msg, g.db, delivery(t.name, g.name, msg), letter)
 					if perr == nil && !parked {
 						p.cfg.Logger.Info("dead-lettered before (an offset reset or a re-read partition delivered it again); not sent twice",
-							"topic", t.name, "consumer_group", g.name, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+							"topic", t.name, "consumer_group", g.name, "partition", logPartition(msg), "offset", logOffset(msg))
 						return nil, nil
 					}
 					if perr == nil {
@@ -246,7 +248,7 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 					}
 					p.holdFailed(msg, attempt, fmt.Errorf("write the dead letter: %w", perr))
 					p.cfg.Logger.Warn("cannot write the dead letter; holding the message", "topic", t.name, "consumer_group", g.name,
-						"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "attempt", attempt, "err", perr)
+						"partition", logPartition(msg), "offset", logOffset(msg), "attempt", attempt, "err", perr)
 					if p.cfg.Hooks.OnHeld != nil {
 						// Held as the environment's failures are: the hook
 						// (and its metric) sees it too.
@@ -260,9 +262,10 @@ func (p *Pipeline) deadLetter(t topicBinding, g groupBinding) message.HandlerMid
 			}
 			p.letters.Nudge()
 			if rejected == nil {
-				// A rejection was logged where it was recorded.
+				// A rejection was logged where it was recorded: one line
+				// per dead letter, the hook (OnDeadLetter) logs none.
 				p.cfg.Logger.Warn("dead-lettered: the message itself is at fault", "topic", t.name, "consumer_group", g.name, "dlq", t.dlq,
-					"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset), "reason", err)
+					"partition", logPartition(msg), "offset", logOffset(msg), "event_id", eventID, "reason", err.Error())
 			}
 			if p.cfg.Hooks.OnDeadLetter != nil {
 				p.cfg.Hooks.OnDeadLetter(DeadLetter{Delivery: delivery(t.name, g.name, msg), DLQ: t.dlq, Reason: err.Error(), Err: err})
@@ -298,8 +301,10 @@ func (p *Pipeline) park(msg *message.Message, db DB, d Delivery, letter dlq.Lett
 }
 
 // letter is a message's dead letter, with Watermill's poison-queue headers:
-// the reason, the topic, and the consumer group as the handler.
-func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, reason error) dlq.Letter {
+// the reason, the topic, and the consumer group as the handler; verdict
+// when the group recorded its verdict with the claim (a rejection), which
+// the console tells from a fault a replay may cure.
+func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, reason error, verdict bool) dlq.Letter {
 	headers := make(map[string]string, len(msg.Metadata)+4)
 	for k, v := range msg.Metadata {
 		headers[k] = v
@@ -315,6 +320,10 @@ func (p *Pipeline) letter(t topicBinding, g groupBinding, msg *message.Message, 
 	// in no payload field, and the replay window judges the letter by its
 	// time.
 	delete(headers, dlq.HeaderEventID)
+	delete(headers, dlq.HeaderVerdict)
+	if verdict {
+		headers[dlq.HeaderVerdict] = dlq.VerdictRecorded
+	}
 	if id, ok := decodedID(g.decode, msg.Payload); ok {
 		headers[dlq.HeaderEventID] = id.String()
 	}
@@ -379,7 +388,7 @@ func (p *Pipeline) hold(topic, group string, slots chan struct{}) message.Handle
 				if err == nil || idempotency.IsPermanent(err) {
 					if attempt > 1 {
 						p.cfg.Logger.Info("held message passed", "topic", topic, "consumer_group", group, "attempts", attempt,
-							"held_for", time.Since(heldSince).Round(time.Millisecond), "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset))
+							"held_for", time.Since(heldSince).Round(time.Millisecond), "partition", logPartition(msg), "offset", logOffset(msg))
 					}
 					return out, err
 				}
@@ -396,7 +405,7 @@ func (p *Pipeline) hold(topic, group string, slots chan struct{}) message.Handle
 					// Loud while the wait grows, then one line in ten.
 					if wait < p.cfg.HoldMaxBackoff || attempt%10 == 0 {
 						p.cfg.Logger.Warn("holding the message: its attempt failed for a reason that is not the message's own; retrying",
-							"topic", topic, "consumer_group", group, "partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset),
+							"topic", topic, "consumer_group", group, "partition", logPartition(msg), "offset", logOffset(msg),
 							"attempt", attempt, "held_for", time.Since(heldSince).Round(time.Millisecond), "retry_in", wait, "err", err)
 					}
 				}

@@ -424,3 +424,61 @@ func TestAStopWhileTheBrokerIsSilentIsBounded(t *testing.T) {
 		t.Fatalf("the letter is gone (%v): a send abandoned at the stop must leave it parked", err)
 	}
 }
+
+// Issue 31, item 5g: a stop while the broker was silent waited the whole
+// drain saying nothing. It now says, within a second, what it waits for on
+// Kafka and the drain timeout that bounds it.
+func TestAStopWaitingOnASilentBrokerSaysSo(t *testing.T) {
+	testenv.RequireDevService(t, "kafka")
+	e := newEnv(t, 1)
+	r := &recorder{group: uniqueGroup("silent-stop")}
+	cfg := e.config(group(r))
+	cfg.CloseTimeout = 5 * time.Second
+	var logged testenv.Logs
+	cfg.Logger = slog.New(slog.NewJSONHandler(&logged, nil))
+	p, err := pipeline.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	testenv.Publish(t, e.Prod, e.Topic, "k", payload(t, validEvent(t, "1.00")))
+	testenv.Eventually(t, 30*time.Second, "the group at work", func() bool { return effects(t, e.Pool, r.group) == 1 })
+
+	testenv.DevService(t, "kafka", "pause")
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			testenv.DevService(t, "kafka", "resume")
+			testenv.WaitForKafka(t, e.Brokers, time.Minute)
+		}
+	}
+	t.Cleanup(resume)
+	stopped := time.Now()
+	cancel()
+	testenv.Eventually(t, 4*time.Second, "a line saying the stop waits on Kafka", func() bool {
+		return strings.Contains(logged.String(), "waiting up to 5s for Kafka")
+	})
+	said := time.Since(stopped)
+	select {
+	case <-done:
+	case <-time.After(45 * time.Second):
+		resume()
+		t.Fatal("the pipeline did not stop within 45s of its stop while the broker was silent")
+	}
+	resume()
+	if said > 3*time.Second {
+		t.Errorf("the stop said it waits on Kafka %s after it began; want within a second or two", said)
+	}
+	var line map[string]any
+	for _, l := range strings.Split(logged.String(), "\n") {
+		if strings.Contains(l, "waiting up to") {
+			_ = json.Unmarshal([]byte(l), &line)
+		}
+	}
+	if line["consumer_group"] != r.group || line["drain_timeout"] == nil || !strings.Contains(fmt.Sprint(line["msg"]), "--drain-timeout") {
+		t.Errorf("the line names no group, drain timeout or setting: %v", line)
+	}
+}

@@ -136,6 +136,18 @@ type Config struct {
 	// CloseTimeout bounds how long closing waits for in-flight messages.
 	// Default: 30s.
 	CloseTimeout time.Duration
+	// BrokerTimeout is how long Kafka may not answer this process before
+	// [Pipeline.Status] reports its groups not joined (a readiness check
+	// then fails) and [Pipeline.Lag] returns [ErrKafkaSilent] instead of a
+	// lag that stands still: a consumer whose broker hangs keeps its
+	// session and sees no error. Every third of it a probe asks a broker
+	// for the consumed topics' metadata and each group's coordinator, then
+	// asks those coordinators and the leaders of the partitions assigned
+	// to this process: a group whose coordinator or leader is cut off is
+	// not ready, though another broker answers. Each request waits at most
+	// that third, and a hung broker holds up none of the others. At least
+	// 1s. Default: [DefaultBrokerTimeout].
+	BrokerTimeout time.Duration
 	// RevocationGrace is how long the attempts under way of a partition
 	// this process gives up (a rebalance, or the stop) may go on to finish
 	// and commit before they are cancelled (rolled back, and run again by
@@ -376,6 +388,9 @@ func (c *Config) setDefaults() {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = 30 * time.Second
 	}
+	if c.BrokerTimeout == 0 {
+		c.BrokerTimeout = DefaultBrokerTimeout
+	}
 	if c.RevocationGrace == 0 {
 		// A stop's drain (CloseTimeout) must cover the grace.
 		c.RevocationGrace = min(DefaultRevocationGrace, c.CloseTimeout/2)
@@ -430,6 +445,9 @@ func (c Config) resolve() (sarama.KafkaVersion, []topicBinding, error) {
 	if c.CommitInterval < 0 || c.HoldBackoff < 0 || c.HoldMaxBackoff < c.HoldBackoff || c.SessionTimeout < 0 || c.CloseTimeout < 0 ||
 		c.AttemptTimeout < 0 || c.StatementTimeout < 0 || c.TxStatementTimeout < 0 {
 		errs = append(errs, errors.New("pipeline: durations must not be negative, and HoldMaxBackoff must be at least HoldBackoff"))
+	}
+	if c.BrokerTimeout < time.Second {
+		errs = append(errs, fmt.Errorf("pipeline: BrokerTimeout %s: want at least 1s (a probe asks Kafka every third of it)", c.BrokerTimeout))
 	}
 	if c.InstanceID != "" && !validInstanceID(c.InstanceID) {
 		errs = append(errs, fmt.Errorf("pipeline: InstanceID %q: want 1 to 249 letters, digits, '.', '_' or '-' (Kafka's group.instance.id)", c.InstanceID))
@@ -573,6 +591,7 @@ type Pipeline struct {
 	holdsMu   sync.Mutex
 	holds     map[*message.Message]holdEntry
 	lagState
+	probe brokerProbe
 	// tracer is the global provider's when the pipeline was made (a no-op
 	// until the process installs one).
 	tracer  trace.Tracer
@@ -738,6 +757,12 @@ func (p *Pipeline) Run(ctx context.Context) error {
 	for _, b := range p.batchers {
 		wg.Go(func() { b.run(runCtx) })
 	}
+	if !p.local {
+		// Not waited for: an ask under way when the pipeline stops ends
+		// within a third of BrokerTimeout, and a stop must not wait on a
+		// broker that does not answer.
+		go p.probeBrokers(runCtx)
+	}
 
 	if !p.ownRouter && p.router.IsRunning() {
 		if err := p.router.RunHandlers(runCtx); err != nil {
@@ -863,7 +888,7 @@ func (p *Pipeline) buildGroup(t topicBinding, g groupBinding, wlog watermill.Log
 		Logger:                   cfg.Logger,
 		LogAttrs:                 kafkaLogAttrs,
 		RecordRejection: func(ctx context.Context, tx pgxTx, msg *message.Message, reason error) error {
-			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason))
+			return p.letters.Park(ctx, tx, p.letter(t, g, msg, reason, true))
 		},
 	})
 	if err != nil {
@@ -972,7 +997,26 @@ func resultsOf(topic string, hook func(idempotency.Result)) func(idempotency.Res
 }
 
 func kafkaLogAttrs(msg *message.Message) []any {
-	return []any{"partition", msg.Metadata.Get(MetaKafkaPartition), "offset", msg.Metadata.Get(MetaKafkaOffset)}
+	return []any{"partition", logPartition(msg), "offset", logOffset(msg)}
+}
+
+// logPartition and logOffset are where msg was read, as numbers in a log
+// line (the metadata keeps them as text: a JSON log had "partition":"0" in
+// one line and "partition":0 in another); as the text when it is none.
+func logPartition(msg *message.Message) any {
+	s := msg.Metadata.Get(MetaKafkaPartition)
+	if p, err := strconv.ParseInt(s, 10, 32); err == nil {
+		return int32(p)
+	}
+	return s
+}
+
+func logOffset(msg *message.Message) any {
+	s := msg.Metadata.Get(MetaKafkaOffset)
+	if o, err := strconv.ParseInt(s, 10, 64); err == nil {
+		return o
+	}
+	return s
 }
 
 // producerCloseTimeout bounds how long closing waits for the producer's

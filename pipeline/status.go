@@ -20,8 +20,13 @@ import (
 type GroupStatus struct {
 	Topic, Group string
 	// Joined: the group has had a consumer-group session since Run began
-	// (a rebalance in progress does not unset it).
+	// (a rebalance in progress does not unset it), and Kafka answers: not
+	// while KafkaSilent.
 	Joined bool
+	// KafkaSilent is how long Kafka has not answered this process, once
+	// that is longer than [Config.BrokerTimeout]; 0 while it answers. Its
+	// lag is unknown meanwhile.
+	KafkaSilent time.Duration
 	// Partitions assigned to this process in the current session (none
 	// between two sessions).
 	Partitions []int32
@@ -62,9 +67,11 @@ func (p *Pipeline) Status() []GroupStatus {
 		heldKeys[k][fmt.Sprint(h.at.Partition, "/", h.at.Key)] = true
 	}
 	p.holdsMu.Unlock()
+	silent := p.silentFor(now)
 	out := make([]GroupStatus, 0, len(p.groups))
 	for _, g := range p.groups {
-		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load(), Order: g.order}
+		s := GroupStatus{Topic: g.topic, Group: g.group, Joined: g.feed.joined.Load(), Order: g.order, KafkaSilent: silent}
+		s.Joined = s.Joined && silent == 0
 		if parts := g.feed.assigned.Load(); parts != nil {
 			s.Partitions = slices.Clone(*parts)
 		}
@@ -168,9 +175,15 @@ type PartitionLag struct {
 }
 
 // Lag reads every group's committed offsets and the topics' high watermarks
-// from Kafka. It holds its own Kafka client, made on first use and closed
+// from Kafka; a partition whose lag could not be read is left out, and the
+// error says why. While Kafka has not answered for longer than
+// [Config.BrokerTimeout] it returns [ErrKafkaSilent] at once: the lag is
+// unknown. It holds its own Kafka client, made on first use and closed
 // with the pipeline.
 func (p *Pipeline) Lag(ctx context.Context) ([]PartitionLag, error) {
+	if silent := p.silentFor(time.Now()); silent > 0 {
+		return nil, fmt.Errorf("%w for %s (BrokerTimeout %s)", ErrKafkaSilent, silent.Round(time.Second), p.cfg.BrokerTimeout)
+	}
 	p.lagMu.Lock()
 	defer p.lagMu.Unlock()
 	client, admin, err := p.kafkaAdmin()

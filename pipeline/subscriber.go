@@ -255,10 +255,23 @@ func (s *subscriber) Close() error {
 	if timeout <= 0 {
 		timeout = 30 * time.Second
 	}
+	deadline := time.After(timeout)
+	// A broker that answers lets the group leave within a second; one that
+	// does not holds the stop up to the whole drain: said at once, not
+	// after it.
 	select {
 	case <-left:
 		return nil
-	case <-time.After(timeout):
+	case <-time.After(min(time.Second, timeout/4)):
+		s.log.Warn(fmt.Sprintf("stopping: waiting up to %s for Kafka to take consumer group %s's last offset commit and its leave, which it has not answered yet. "+
+			"The drain timeout bounds it (pipeline.Config.CloseTimeout, once.Config.DrainTimeout, app serve --drain-timeout)", timeout, s.group),
+			"consumer_group", s.group, "waits_for", "the group's last offset commit and its leave", "drain_timeout", timeout)
+	}
+	select {
+	case <-left:
+		s.log.Info("stopping: consumer group left", "consumer_group", s.group)
+		return nil
+	case <-deadline:
 		return fmt.Errorf("pipeline: consumer group %s did not leave within %s (the broker does not answer); "+
 			"offsets it had not committed yet are delivered again, and skipped", s.group, timeout)
 	}

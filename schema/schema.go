@@ -8,6 +8,7 @@ import (
 	"hash/crc64"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -480,15 +481,21 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 		// Every migration applied, where this role may read the versions;
 		// where it may not, the newest migration's column below says.
 		if ms, err := migrations(cfg); err == nil {
-			var applied int
+			var applied []int64
 			// In a savepoint: a refusal must not abort the checks after it.
 			sp, err := tx.Begin(ctx)
 			if err != nil {
 				return err
 			}
-			err = sp.QueryRow(ctx, `SELECT count(*) FROM (SELECT DISTINCT ON (version_id) is_applied FROM `+cfg.Versions().Qualified+
+			err = sp.QueryRow(ctx, `SELECT coalesce(array_agg(version_id), '{}') FROM (SELECT DISTINCT ON (version_id) version_id, is_applied FROM `+cfg.Versions().Qualified+
 				` WHERE version_id > 0 ORDER BY version_id, id DESC) latest WHERE is_applied`).Scan(&applied)
 			_ = sp.Rollback(ctx)
+			var pending []string
+			for _, m := range ms {
+				if !slices.Contains(applied, m.Version) {
+					pending = append(pending, strconv.FormatInt(m.Version, 10))
+				}
+			}
 			var pgErr *pgconn.PgError
 			switch {
 			case errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01"):
@@ -496,9 +503,13 @@ func Check(ctx context.Context, db pgdb.DB, cfg Config) error {
 				// shape checks decide.
 			case err != nil:
 				return fmt.Errorf("schema: read %s: %w", cfg.Versions(), err)
-			case applied < len(ms):
-				return fmt.Errorf("schema: %d of this release's %d migrations are applied in %s: migrate the database first (schema.Migrate, app migrate)",
-					applied, len(ms), cfg.Schema)
+			case len(pending) > 0:
+				versions := "versions"
+				if len(pending) == 1 {
+					versions = "version"
+				}
+				return fmt.Errorf("schema: %d of this release's %d library migrations pending in %s (%s %s): migrate the database as the tables' owner first (schema.Migrate, app migrate)",
+					len(pending), len(ms), cfg.Schema, versions, strings.Join(pending, ", "))
 			}
 		}
 		// The newest migration's column: the claim statement reads it, and

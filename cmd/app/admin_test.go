@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/once-dev/once/dlq"
 	"github.com/once-dev/once/internal/reftest"
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/migrations"
@@ -183,5 +184,54 @@ func TestDLQListAndFilteredReplay(t *testing.T) {
 	}
 	if seen[declined.String()] != 1 || seen[mismatch.String()] != 2 {
 		t.Fatalf("republished %v; want the declined letter once, the mismatch twice (filtered, then unfiltered)", seen)
+	}
+}
+
+// dlq replay leaves a group's recorded verdicts out unless asked
+// (--include-verdicts), and counts them: for their group a replay is a
+// duplicate that changes nothing (issue 31, item 4's review).
+func TestDLQReplaySkipsVerdictsUnlessIncluded(t *testing.T) {
+	brokers := testenv.Brokers(t)
+	suffix := "." + uuid.NewString()[:8]
+	admin := testenv.Admin(t, brokers)
+	source := "order.confirmed.v1" + suffix
+	for _, topic := range []string{source, source + ".dlq"} {
+		if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = admin.DeleteTopic(topic) })
+	}
+	producer := testenv.Producer(t, brokers)
+	letter := func(reason string, verdict bool) uuid.UUID {
+		id := uuid.Must(uuid.NewV7())
+		headers := []sarama.RecordHeader{{Key: []byte("reason_poisoned"), Value: []byte(reason)},
+			{Key: []byte("topic_poisoned"), Value: []byte(source)}, {Key: []byte("handler_poisoned"), Value: []byte("billing" + suffix)}}
+		if verdict {
+			headers = append(headers, sarama.RecordHeader{Key: []byte(dlq.HeaderVerdict), Value: []byte(dlq.VerdictRecorded)})
+		}
+		if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: source + ".dlq", Value: sarama.StringEncoder(`{"event_id":"` + id.String() + `"}`), Headers: headers}); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	declined := letter("billing: provider refused order 7: card declined", true)
+	fault := letter("price zero not handled", false)
+	common := []string{"--kafka-brokers", strings.Join(brokers, ","), "--topic-suffix", suffix, "--group-suffix", suffix, "--source-topic", "order.confirmed.v1"}
+
+	out, err := runApp(t, append([]string{"dlq", "replay", "--group", "replay" + suffix}, common...)...)
+	if err != nil || !strings.Contains(out, "replayed 1 dead letters") || !strings.Contains(out, "skipped 1 letters of a group's recorded verdict") {
+		t.Fatalf("a replay by default: %v\n%s", err, out)
+	}
+	out, err = runApp(t, append([]string{"dlq", "replay", "--group", "replay-all" + suffix, "--include-verdicts"}, common...)...)
+	if err != nil || !strings.Contains(out, "replayed 2 dead letters") || !strings.Contains(out, "--include-verdicts") {
+		t.Fatalf("a replay with --include-verdicts: %v\n%s", err, out)
+	}
+	seen := map[string]int{}
+	testenv.Eventually(t, 20*time.Second, "the replayed records", func() bool { return testenv.MessageCount(t, brokers, source) == 3 })
+	for _, m := range testenv.ReadTopic(t, brokers, source) {
+		seen[string(m.Value)[13:49]]++
+	}
+	if seen[declined.String()] != 1 || seen[fault.String()] != 2 {
+		t.Fatalf("republished %v; want the verdict once (with --include-verdicts), the fault twice", seen)
 	}
 }

@@ -3,9 +3,11 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -107,8 +109,8 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 	w := tabwriter.NewWriter(d.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "where\tevent id\tfrom topic\tgroup\tevent age\treason")
 	for _, e := range entries {
-		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, orDash(e.EventID), orDash(e.Topic), orDash(e.Group),
-			now.Sub(e.EventTime).Round(time.Second), oneLine(e.Reason, 100))
+		fmt.Fprintf(w, "%s/%d@%d\t%s\t%s\t%s\t%s\t%s\n", e.DLQTopic, e.Partition, e.Offset, oneLine(orDash(e.EventID), 100), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
+			now.Sub(e.EventTime).Round(time.Second), verdictMark(e)+oneLine(e.Reason, 100))
 	}
 	parked := 0
 	if c.DB != "" {
@@ -128,13 +130,22 @@ func (c *dlqListCmd) Run(ctx context.Context, d deps) error {
 		for _, l := range letters {
 			e := l.Entry()
 			parked++
-			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), orDash(e.Topic), orDash(e.Group),
-				now.Sub(l.CreatedAt).Round(time.Second), oneLine(e.Reason, 100))
+			fmt.Fprintf(w, "parked #%d (%d attempts: %s)\t-\t%s\t%s\t%s\t%s\n", l.ID, l.Attempts, oneLine(orDash(l.LastError), 60), oneLine(orDash(e.Topic), 100), oneLine(orDash(e.Group), 100),
+				now.Sub(l.CreatedAt).Round(time.Second), verdictMark(e)+oneLine(e.Reason, 100))
 		}
 	}
 	w.Flush()
 	fmt.Fprintf(d.stdout, "%d dead letters on the topics, %d parked in the database\n", len(entries), parked)
 	return nil
+}
+
+// verdictMark marks the letter of a group's recorded verdict, which a
+// replay does not change (dlq.HeaderVerdict): for that group a duplicate.
+func verdictMark(e dlq.Entry) string {
+	if e.Verdict {
+		return "[recorded verdict: a replay is a duplicate for its group] "
+	}
+	return ""
 }
 
 func orDash(s string) string {
@@ -144,12 +155,24 @@ func orDash(s string) string {
 	return s
 }
 
+// oneLine is text of a letter (its reason, a header, an error: written by
+// whoever wrote the letter) as one line of at most max bytes, its control
+// codes escaped (\x1b): written raw, they would move a terminal's cursor,
+// recolour it or set its title.
 func oneLine(s string, max int) string {
 	s = strings.Join(strings.Fields(s), " ")
 	if len(s) > max {
-		s = s[:max] + "..."
+		s = strings.ToValidUTF8(s[:max], "") + "..."
 	}
-	return s
+	var b strings.Builder
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			b.WriteString(strings.Trim(strconv.QuoteRune(r), "'"))
+			continue
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }
 
 type dlqReplayCmd struct {
@@ -157,6 +180,9 @@ type dlqReplayCmd struct {
 	Filter dlqFilterFlags `embed:""`
 	Group  string         `name:"group" default:"${dlq_group}" help:"Consumer group that keeps the replay progress (a filtered replay keeps its own, derived from it and the filter)."`
 	MaxAge time.Duration  `name:"max-age" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"Skip dead letters older than this (keep it within the payment provider's key retention); 0 replays all."`
+	// A verdict's replay is a duplicate for its group: not sent unless
+	// asked for by name, and counted either way.
+	IncludeVerdicts bool `name:"include-verdicts" help:"Send the letters of a group's recorded verdict too (a declined charge: dlq list marks them); for that group a replay is a duplicate that changes nothing. Default: skipped and counted, done for this progress like stale ones (send one later from the console's letter page, or with this flag and a --group of its own)."`
 }
 
 func (c *dlqReplayCmd) Validate() error {
@@ -173,7 +199,7 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	defer p.Done()
 	routes := c.Filter.routes(&c.Kafka)
 	total, err := dlq.ReplayRoutes(ctx, dlq.Config{
-		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f,
+		Brokers: c.Kafka.Brokers, Sarama: c.Kafka.saramaConfig(), Group: c.Group, MaxAge: c.MaxAge, Filter: f, SkipVerdicts: !c.IncludeVerdicts,
 		Progress: func(done, n int64) { p.Set("replaying: %d/%d", done, n) },
 	}, routes)
 	// What was sent is said even when a partition failed: its letters
@@ -181,6 +207,11 @@ func (c *dlqReplayCmd) Run(ctx context.Context, d deps) error {
 	p.Done()
 	fmt.Fprintf(d.stdout, "replayed %d dead letters, skipped %d whose event is older than %s, left %d out by the filter\n",
 		total.Replayed, total.SkippedStale, c.MaxAge, total.Filtered)
+	if c.IncludeVerdicts {
+		fmt.Fprintf(d.stdout, "sent every group's recorded verdict among them (--include-verdicts): for its group a duplicate\n")
+	} else {
+		fmt.Fprintf(d.stdout, "skipped %d letters of a group's recorded verdict (a replay is a duplicate for its group; --include-verdicts sends them)\n", total.SkippedVerdicts)
+	}
 	if total.NotYet > 0 {
 		fmt.Fprintf(d.stdout, "stopped %d partitions at a letter younger than --older-than %s: the same command replays from there later\n", total.NotYet, c.Filter.OlderThan)
 	}

@@ -30,9 +30,13 @@ func main() {
 	code := 0
 	if err := run(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
 		var exit exitCode
-		if errors.As(err, &exit) {
+		var done logged
+		switch {
+		case errors.As(err, &exit):
 			code = int(exit)
-		} else {
+		case errors.As(err, &done):
+			code = 1 // run logged it, in the log's format
+		default:
 			fmt.Fprintf(os.Stderr, "app: %v\n", err)
 			code = 1
 		}
@@ -47,13 +51,20 @@ type exitCode int
 
 func (e exitCode) Error() string { return fmt.Sprintf("exit %d", int(e)) }
 
+// logged is an error run has written to the log already, as one line of
+// --log-format json (a log pipeline that reads JSON would drop or garble
+// main's plain "app: ..." line): main only exits with it.
+type logged struct{ error }
+
+func (l logged) Unwrap() error { return l.error }
+
 type cli struct {
 	LogLevel     slog.Level `name:"log-level" env:"ONCE_LOG_LEVEL" default:"info" help:"Log level: debug, info, warn, error."`
 	LogFormat    string     `name:"log-format" env:"ONCE_LOG_FORMAT" default:"text" enum:"text,json" help:"Log format: text or json."`
 	OTLPEndpoint string     `name:"otlp-endpoint" env:"OTEL_EXPORTER_OTLP_ENDPOINT" help:"Export traces over OTLP/HTTP to this URL (e.g. http://collector:4318/v1/traces); empty: no tracing recorded (W3C trace context is still passed on)."`
 
 	Serve   serveCmd   `cmd:"" help:"Consume the order-confirmed topic with the configured consumer groups until stopped."`
-	Migrate migrateCmd `cmd:"" help:"Apply the database migrations and exit."`
+	Migrate migrateCmd `cmd:"" help:"As the tables' owner: apply the database migrations (to --database-url and each --group-database), record the claims' retention, make today's and the next partitions, and exit."`
 
 	Maintain       maintainCmd       `cmd:"" help:"Run one retention pass over processed_event (create partitions ahead, drop or delete expired claims) and exit."`
 	Bench          benchCmd          `cmd:"" help:"Measure throughput side by side in one run: the broker's and the database's limits, the unsafe baseline, the pipeline per event and batched, and the style guide's Python consumer."`
@@ -78,6 +89,7 @@ type deps struct {
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err error) {
 	var c cli
+	var command string // the subcommand, once parsed
 	exited := false
 	parser, err := kong.New(&c,
 		kong.Name("app"),
@@ -91,6 +103,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 	if err != nil {
 		return err
 	}
+	defer func() {
+		// Runs after the recover below: a kong exit is no failure.
+		var exit exitCode
+		if err != nil && c.LogFormat == "json" && !errors.As(err, &exit) {
+			newLogger(stderr, slog.LevelError, "json").Error("app: "+err.Error(), "command", command, "err", err.Error(), "exit_code", 1)
+			err = logged{err}
+		}
+	}()
 	defer func() {
 		if r := recover(); r != nil {
 			code, ok := r.(exitCode)
@@ -110,9 +130,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		}
 		return err
 	}
+	command = strings.Fields(kctx.Command())[0]
 	log := newLogger(stderr, c.LogLevel, c.LogFormat)
 	slog.SetDefault(log)
-	shutdown, err := tracing.Setup(ctx, "once-"+strings.Fields(kctx.Command())[0], c.OTLPEndpoint)
+	shutdown, err := tracing.Setup(ctx, "once-"+command, c.OTLPEndpoint)
 	if err != nil {
 		return err
 	}
@@ -124,13 +145,25 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) (err erro
 		}
 	}()
 	kctx.BindTo(ctx, (*context.Context)(nil))
-	return kctx.Run(deps{log: log, stdout: stdout, stderr: stderr})
+	return flagNames(kctx.Run(deps{log: log, stdout: stdout, stderr: stderr}))
 }
 
+// newLogger writes format's lines to w. A duration is written as a person
+// reads it in text ("2.5s", slog's own) and as a number of seconds in
+// JSON (2.5; slog writes nanoseconds, 2500000000), in every line of app
+// and of the library it runs.
 func newLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
 	opts := &slog.HandlerOptions{Level: level}
 	if format == "json" {
+		opts.ReplaceAttr = durationSeconds
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+func durationSeconds(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.Float64Value(a.Value.Duration().Seconds())
+	}
+	return a
 }

@@ -3,8 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A bad or missing setting stops start-up with a message naming it, before
@@ -59,5 +66,91 @@ func TestHelpOnEverySubcommand(t *testing.T) {
 		if !strings.Contains(out.String(), "Usage: app") {
 			t.Errorf("%v: no usage printed: %q", args, out.String())
 		}
+	}
+}
+
+// Issue 31, item 5b: with --log-format json, an error that stops app was
+// printed as plain text ("app: ..."), which a JSON log pipeline drops or
+// garbles. It is now one JSON line on stderr, and main prints nothing more.
+func TestAFatalErrorHonoursTheLogFormat(t *testing.T) {
+	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("DATABASE_URL", "")
+	for _, args := range [][]string{
+		{"--log-format", "json", "serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency=-1"}, // refused by the command
+		{"--log-format", "json", "serve", "--kafka-brokers", "h:1"},                                                            // refused by the parser
+	} {
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), args, &out, &errOut)
+		var done logged
+		if err == nil || !errors.As(err, &done) {
+			t.Fatalf("%v: %v; want an error run logged", args, err)
+		}
+		var line map[string]any
+		lines := strings.Split(strings.TrimSpace(errOut.String()), "\n")
+		if jerr := json.Unmarshal([]byte(lines[len(lines)-1]), &line); jerr != nil || line["level"] != "ERROR" || line["err"] != err.Error() {
+			t.Errorf("%v: the last line of stderr is not the error as JSON (%v):\n%s", args, jerr, errOut.String())
+		}
+	}
+	// Text stays main's line.
+	var errOut bytes.Buffer
+	err := run(context.Background(), []string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency=-1"}, io.Discard, &errOut)
+	var done logged
+	if err == nil || errors.As(err, &done) {
+		t.Errorf("text format: %v; want an error for main to print", err)
+	}
+}
+
+// Issue 31, item 5d: durations were nanoseconds in JSON logs
+// ("retry_in":2000000000). They are seconds there, as a person reads them
+// in text, nested in a group too.
+func TestDurationsInTheLogsAreSecondsOrReadable(t *testing.T) {
+	for _, tc := range []struct{ format, want string }{
+		{"json", `"retry_in":2.5,"held":{"for":0.25}`},
+		{"text", `retry_in=2.5s held.for=250ms`},
+	} {
+		var out bytes.Buffer
+		newLogger(&out, slog.LevelInfo, tc.format).Info("x", "retry_in", 2500*time.Millisecond, slog.Group("held", "for", 250*time.Millisecond))
+		if !strings.Contains(out.String(), tc.want) {
+			t.Errorf("%s: %q; want %s", tc.format, out.String(), tc.want)
+		}
+	}
+}
+
+// Issue 31, item 5e: errors named the library's settings by their Go
+// fields ("Token", "(DatabaseURL)"), which a person running app does not
+// set. They name the flag and the environment variable now.
+func TestLibrarySettingsAreNamedAsFlags(t *testing.T) {
+	brokers := os.Getenv("KAFKA_BROKERS")
+	if brokers == "" {
+		t.Skip("needs KAFKA_BROKERS and DATABASE_URL (the README's test command)")
+	}
+	for _, tc := range []struct {
+		env        map[string]string
+		args       []string
+		want, gone string
+	}{
+		{map[string]string{"ONCE_CONSOLE_TOKEN": "too-short"}, []string{"console", "--listen", "127.0.0.1:0"},
+			"ONCE_CONSOLE_TOKEN", "Token must"},
+		{map[string]string{"DATABASE_URL": "postgres://once@127.0.0.1:1/once?connect_timeout=1"}, []string{"serve", "--kafka-start-timeout", "1s"},
+			"--database-url (DATABASE_URL): cannot reach PostgreSQL", "DatabaseURL"},
+	} {
+		for k, v := range tc.env {
+			t.Setenv(k, v)
+		}
+		var errOut bytes.Buffer
+		err := run(context.Background(), tc.args, io.Discard, &errOut)
+		if err == nil || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), tc.gone) {
+			t.Errorf("%v: %v\n%s; want an error naming %s, not %s", tc.args, err, errOut.String(), tc.want, tc.gone)
+		}
+	}
+}
+
+// flagNames maps whole field names only, and keeps the library's chain.
+func TestFlagNamesMapWholeFieldsAndKeepTheChain(t *testing.T) {
+	cause := errors.New("pipeline: RevocationGrace 10s must be shorter than CloseTimeout 10s; TxStatementTimeout left as is")
+	err := flagNames(fmt.Errorf("once: %w", cause))
+	want := "--revocation-grace (ONCE_REVOCATION_GRACE) 10s must be shorter than --drain-timeout (ONCE_DRAIN_TIMEOUT) 10s; TxStatementTimeout left as is"
+	if !strings.Contains(err.Error(), want) || strings.HasPrefix(err.Error(), "once: ") || !errors.Is(err, cause) {
+		t.Errorf("%q (errors.Is the cause: %v); want %q", err, errors.Is(err, cause), want)
 	}
 }

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/once-dev/once/handlers/billing"
+	"github.com/once-dev/once/metrics"
 	"github.com/once-dev/once/outbox"
 	"github.com/once-dev/once/retention"
 )
@@ -47,6 +50,21 @@ type maintainCmd struct {
 	Retention       retentionSettings `embed:""`
 	SetRetention    bool              `name:"set-retention" help:"Record --dedup-retention as the claim tables' retention, replacing the one recorded; restart every serve with it afterwards."`
 	OutboxRetention time.Duration     `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted, as serve does."`
+	MetricsFile     string            `name:"metrics-file" env:"ONCE_MAINTAIN_METRICS_FILE" placeholder:"PATH" help:"After a pass that succeeded in every database, write once_retention_last_success_timestamp_seconds to this file (Prometheus text format, replaced atomically), for node_exporter's textfile collector: a cron job is gone before anyone scrapes it. A failed pass leaves the file as it was, so the time ages and OnceRetentionFailing fires. Name it *.prom in the collector's directory."`
+}
+
+// writeLastSuccess records now as the last successful retention pass in
+// file, as the services export theirs (once_retention_last_success_...).
+func writeLastSuccess(file string, now time.Time) error {
+	reg := prometheus.NewRegistry()
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Namespace: metrics.Namespace, Name: "retention_last_success_timestamp_seconds",
+		Help: "When app maintain last completed a retention pass in every database (Unix seconds)."})
+	g.Set(float64(now.UnixNano()) / 1e9)
+	reg.MustRegister(g)
+	if err := prometheus.WriteToTextfile(file, reg); err != nil {
+		return fmt.Errorf("--metrics-file (ONCE_MAINTAIN_METRICS_FILE): %w", err)
+	}
+	return nil
 }
 
 func (m *maintainCmd) Run(ctx context.Context, d deps) error {
@@ -64,6 +82,7 @@ func (m *maintainCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pools.close()
+	passed := 0
 	for _, db := range pools.all {
 		cfg := m.Retention.config(d)
 		cfg.DB = db
@@ -100,6 +119,12 @@ func (m *maintainCmd) Run(ctx context.Context, d deps) error {
 			return fmt.Errorf("database %s: %w", db.Config().ConnConfig.Database, err)
 		}
 		fmt.Fprintf(d.stdout, "  pruned %d forwarded outbox rows, %d settled charge intents\n", forwarded, intents)
+		passed++
+	}
+	// Only a pass of its own in every database is a success: one that found
+	// another instance at work did nothing, and that instance says so.
+	if m.MetricsFile != "" && passed == len(pools.all) {
+		return writeLastSuccess(m.MetricsFile, time.Now())
 	}
 	return nil
 }

@@ -24,6 +24,7 @@ import (
 type opsSettings struct {
 	OpsListen     string          `name:"ops-listen" env:"ONCE_OPS_LISTEN" default:"127.0.0.1:9464" help:"Address of /metrics (Prometheus), /healthz and /readyz; empty for none."`
 	WatchInterval time.Duration   `name:"watch-interval" env:"ONCE_WATCH_INTERVAL" default:"10s" help:"How often consumer lag, held messages and the claim table are read for /metrics."`
+	BrokerTimeout time.Duration   `name:"broker-timeout" env:"ONCE_BROKER_TIMEOUT" default:"15s" help:"How long Kafka may not answer (a hung, paused or cut-off broker) before /readyz answers 503, once_group_joined drops to 0 and the lag is unknown (no once_consumer_lag series, once_consumer_lag_unknown 1); at least 1s."`
 	Console       bool            `name:"console" env:"ONCE_CONSOLE" help:"Serve the web console (dead letters, replay, groups, inbox) under /console on --ops-listen, which must then be a loopback address. Read-only, showing no reason, payload, header, key or error, unless ONCE_CONSOLE_TOKEN or --console-token-file gives a token to sign in with."`
 	ConsoleOf     consoleSettings `embed:""`
 }
@@ -64,6 +65,9 @@ func loopbackOnly(setting, addr string) error {
 func (o *opsSettings) Validate() error {
 	if o.WatchInterval < time.Second {
 		return fmt.Errorf("--watch-interval (ONCE_WATCH_INTERVAL) must be at least 1s, got %s", o.WatchInterval)
+	}
+	if o.BrokerTimeout < time.Second {
+		return fmt.Errorf("--broker-timeout (ONCE_BROKER_TIMEOUT) must be at least 1s, got %s", o.BrokerTimeout)
 	}
 	if o.Console {
 		if err := loopbackOnly("--console (ONCE_CONSOLE): --ops-listen (ONCE_OPS_LISTEN)", o.OpsListen); err != nil {

@@ -174,7 +174,7 @@ func TestAlertRules(t *testing.T) {
 // host can reach, naming both settings.
 func TestTheConsoleNeedsALoopbackOpsListener(t *testing.T) {
 	for listen, ok := range map[string]bool{"127.0.0.1:9464": true, "localhost:9464": true, "[::1]:9464": true, "0.0.0.0:9464": false, ":9464": false} {
-		err := (&opsSettings{OpsListen: listen, WatchInterval: time.Second, Console: true}).Validate()
+		err := (&opsSettings{OpsListen: listen, WatchInterval: time.Second, BrokerTimeout: 15 * time.Second, Console: true}).Validate()
 		if ok != (err == nil) || (err != nil && (!strings.Contains(err.Error(), "--console (ONCE_CONSOLE)") || !strings.Contains(err.Error(), "--ops-listen (ONCE_OPS_LISTEN)"))) {
 			t.Errorf("--console with --ops-listen %s: %v", listen, err)
 		}

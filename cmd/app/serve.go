@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"regexp"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -52,7 +49,7 @@ type serveCmd struct {
 	OutboxRetention  time.Duration `name:"outbox-retention" env:"ONCE_OUTBOX_RETENTION" default:"24h" help:"Forwarded rows of the consumer outbox older than this are deleted (every 10 minutes)."`
 
 	Retention           retentionSettings `embed:""`
-	MaintenanceInterval time.Duration     `name:"maintenance-interval" env:"ONCE_MAINTENANCE_INTERVAL" default:"10m" help:"How often this process runs a retention pass (0 to leave it to app maintain)."`
+	MaintenanceInterval time.Duration     `name:"maintenance-interval" env:"ONCE_MAINTENANCE_INTERVAL" default:"10m" help:"How often this process runs a retention pass; 0 leaves them to app maintain as the tables' owner (a cron job): one pass at start-up, so that today's partitions exist, skipped quietly where the role may not run it."`
 	MaxClockSkew        time.Duration     `name:"max-clock-skew" env:"ONCE_MAX_CLOCK_SKEW" default:"5m" help:"Events whose id lies further in the future are dead-lettered."`
 	TooOld              map[string]string `name:"too-old" env:"ONCE_TOO_OLD" default:"billing=reject;analytics=reject" mapsep:";" help:"Per group, what to do with an event older than the dedup horizon: reject (dead-letter) or process."`
 	DLQReplayWindow     time.Duration     `name:"dlq-replay-window" env:"ONCE_DLQ_REPLAY_WINDOW" default:"24h" help:"How old a dead letter may be when it is replayed (operational policy; checked against the provider's key retention)."`
@@ -183,7 +180,7 @@ func (s *serveCmd) Run(ctx context.Context, d deps) error {
 		return nil
 	}
 	if err != nil {
-		return flagNames(err)
+		return err // run names the library's settings as flags
 	}
 	d.log.Info("stopped")
 	return nil
@@ -211,7 +208,7 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 			AttemptTimeout: s.AttemptTimeout, StatementTimeout: s.DB.StatementTimeout, TxStatementTimeout: s.DB.StatementTimeout,
 			SessionTimeout: s.SessionTimeout, HeartbeatInterval: s.HeartbeatInt, InstanceID: s.InstanceID,
 			DrainTimeout: s.DrainTimeout, RevocationGrace: s.RevocationGrace,
-			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, Logger: d.log,
+			Registry: o.reg, WatchInterval: s.Ops.WatchInterval, BrokerTimeout: s.Ops.BrokerTimeout, Logger: d.log,
 			Hooks: once.Hooks{
 				OnResult: func(r idempotency.Result) {
 					d.log.Debug("message", "outcome", r.Outcome.String(), "event_id", r.EventID, "topic", r.Topic, "consumer_group", r.ConsumerGroup, "duration", r.Duration)
@@ -219,9 +216,8 @@ func (s *serveCmd) reference(d deps, client *payment.Client, o *ops) reference.C
 						killHere(d, "e2e: killing this process between the database commit and the offset commit", "event_id", r.EventID, "consumer_group", r.ConsumerGroup)
 					}
 				},
-				OnDeadLetter: func(dl pipeline.DeadLetter) {
-					d.log.Warn("dead-lettered", "topic", dl.Topic, "consumer_group", dl.Group, "partition", dl.Partition, "offset", dl.Offset, "dlq", dl.DLQ, "reason", dl.Reason)
-				},
+				// No OnDeadLetter line: the library logs each dead letter
+				// once (a rejection where it is recorded).
 				OnForwarded: func(f pipeline.Forwarded) {
 					d.log.Debug("forwarded", "topic", f.Topic, "event_id", f.ID)
 					if s.KillAfterForward > 0 && forwards.Add(1) == int64(s.KillAfterForward) {
@@ -244,27 +240,3 @@ func orNone(d time.Duration) time.Duration {
 	}
 	return d
 }
-
-// flagNames names, in an error of the library, the flags (and their
-// environment variables) behind its settings.
-func flagNames(err error) error {
-	var se *once.SettingError
-	if !errors.As(err, &se) {
-		return err
-	}
-	text := err.Error()
-	for field, flag := range settingFlags {
-		text = strings.ReplaceAll(text, field, flag)
-	}
-	text = groupDatabaseSetting.ReplaceAllString(text, "--group-database $1 (ONCE_GROUP_DATABASES)")
-	return errors.New(strings.TrimPrefix(text, "once: "))
-}
-
-var settingFlags = map[string]string{
-	"DatabaseURL":       "DATABASE_URL",
-	"KafkaStartTimeout": "--kafka-start-timeout",
-	"Brokers":           "KAFKA_BROKERS",
-	"Retention:":        "--dedup-retention (ONCE_DEDUP_RETENTION):",
-}
-
-var groupDatabaseSetting = regexp.MustCompile(`GroupDatabases\[([^\]]+)\]`)

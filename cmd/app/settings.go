@@ -157,15 +157,15 @@ func (d dbSettings) setting() string {
 	if d.label != "" {
 		return d.label
 	}
-	return "DATABASE_URL"
+	return "--database-url (DATABASE_URL)"
 }
 
 // forGroup is d on a group's own database URL.
 func (d dbSettings) forGroup(url string) dbSettings {
 	d.DatabaseURL = url
-	d.label = "--group-database"
+	d.label = "--group-database (ONCE_GROUP_DATABASES)"
 	if cfg, err := pgxpool.ParseConfig(url); err == nil {
-		d.label = fmt.Sprintf("--group-database (%s:%d/%s)", cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database)
+		d.label = fmt.Sprintf("--group-database (ONCE_GROUP_DATABASES) %s:%d/%s", cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database)
 	}
 	return d
 }

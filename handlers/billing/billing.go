@@ -123,9 +123,26 @@ func (h Handler) OnConfirmed(ctx context.Context, tx pgx.Tx, ev orderevents.Conf
 	}
 	var paidBy uuid.UUID
 	var status string
-	err := tx.QueryRow(ctx, `SELECT event_id, status FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&paidBy, &status)
+	var recorded *string
+	err := tx.QueryRow(ctx, `SELECT event_id, status, failure_reason FROM billing.payments WHERE order_id = $1`, ev.OrderID()).Scan(&paidBy, &status, &recorded)
 	switch {
+	case err == nil && paidBy == ev.EventID():
+		// This event's own record: its claim was forgotten and the event
+		// replayed. The record is the verdict it had, and it stands: the
+		// same outcome again, with the claim (a declined charge is again a
+		// recorded rejection, whose letter says a replay cannot change it).
+		if status != "failed" {
+			return nil
+		}
+		why := "declined"
+		if recorded != nil {
+			why = *recorded
+		}
+		return idempotency.RejectAfterCommit(fmt.Errorf("billing: order %d: event %s's charge failed before and its record stands: %s",
+			ev.OrderID(), ev.EventID(), why))
 	case err == nil:
+		// Another event's payment: this event is refused, not recorded.
+		// A replay refuses it again.
 		return idempotency.Permanent(fmt.Errorf("billing: order %d already has a %s payment from event %s; event %s not charged",
 			ev.OrderID(), status, paidBy, ev.EventID()))
 	case !errors.Is(err, pgx.ErrNoRows):

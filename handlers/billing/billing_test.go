@@ -243,6 +243,41 @@ func TestDeclineIsRecordedAnnouncedAndDeadLettered(t *testing.T) {
 	}
 }
 
+// An operator forgets a declined charge's claim and replays it: billing
+// meets its own failed payment, and that is the verdict it had: a recorded
+// rejection again (its claim committed, its letter a verdict's), not a
+// refusal that would dead-letter it as a fault a replay might cure. A
+// charged order's own event, replayed so, is processed: its record stands.
+func TestAnEventMeetingItsOwnRecordGetsTheSameVerdict(t *testing.T) {
+	f := setup(t)
+	forget := func(ev orderevents.Confirmed) {
+		t.Helper()
+		tag, err := f.pool.Exec(context.Background(), "DELETE FROM "+schema.Config{}.Claims().Qualified+" WHERE event_id = $1", ev.EventID())
+		if err != nil || tag.RowsAffected() != 1 {
+			t.Fatalf("forget the claim of %s: %v, %d rows", ev.EventID(), err, tag.RowsAffected())
+		}
+	}
+	declined := confirmed(t, newOrderID(), "500.01")
+	if d := f.confirmed.Deliver(declined); !d.DeadLettered() {
+		t.Fatalf("first delivery: %v; want the decline dead-lettered", d.Err)
+	}
+	forget(declined)
+	d := f.confirmed.Deliver(declined)
+	var rejected *idempotency.RejectedError
+	if !errors.As(d.Err, &rejected) || !f.confirmed.Claimed(declined) || !strings.Contains(d.Err.Error(), "failed before") {
+		t.Fatalf("replay of the decline: %v, claimed %v; want a recorded rejection again, claimed", d.Err, f.confirmed.Claimed(declined))
+	}
+	charged := confirmed(t, newOrderID(), "10.00")
+	f.confirmed.Deliver(charged)
+	forget(charged)
+	if d := f.confirmed.Deliver(charged); d.Err != nil || !f.confirmed.Claimed(charged) {
+		t.Fatalf("replay of a charged order's event: %v; want processed, its payment's record standing", d.Err)
+	}
+	if l := f.ledger(t); l.Count != 1 {
+		t.Fatalf("ledger has %d charges, want 1", l.Count)
+	}
+}
+
 func TestSecondEventForAChargedOrderIsRefusedWithoutCharging(t *testing.T) {
 	f := setup(t)
 	orderID := newOrderID()

@@ -18,6 +18,7 @@ import (
 	"github.com/once-dev/once"
 	"github.com/once-dev/once/handlers/analytics"
 	"github.com/once-dev/once/handlers/billing"
+	"github.com/once-dev/once/migrations"
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/pgdb"
 )
@@ -148,6 +149,7 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 			return errors.Join(err, perr)
 		}
 	}
+	oc.Needs = cfg.needs(oc.Needs)
 	if len(confirmed.Groups) > 0 {
 		oc.Topics = append(oc.Topics, confirmed)
 	}
@@ -169,6 +171,35 @@ func New(ctx context.Context, cfg Config) (*Service, error) {
 		billingDB = svc.DB(cfg.Group(Billing))
 	}
 	return s, nil
+}
+
+// needs are what the groups' handlers need, beside what the library
+// needs: the migrations of package migrations applied, and each group's
+// privileges on its own tables (its statements' DML; an INSERT ... ON
+// CONFLICT DO UPDATE takes UPDATE too).
+func (c Config) needs(n once.Needs) once.Needs {
+	if n.Migrations == nil {
+		n.Migrations, n.MigrateCommand = migrations.FS, "app migrate"
+	}
+	read, write, upsert := []string{"SELECT", "INSERT"}, []string{"SELECT", "INSERT", "UPDATE", "DELETE"}, []string{"SELECT", "INSERT", "UPDATE"}
+	groups := map[string][]once.Grant{}
+	for g, grants := range n.Groups {
+		groups[g] = grants
+	}
+	if slices.Contains(c.Groups, Analytics) {
+		groups[c.Group(Analytics)] = append(groups[c.Group(Analytics)],
+			once.Grant{Table: "analytics.customer_daily_revenue", Privileges: upsert},
+			once.Grant{Table: "analytics.customer_daily_payments", Privileges: upsert})
+	}
+	if slices.Contains(c.Groups, Billing) {
+		groups[c.Group(Billing)] = append(groups[c.Group(Billing)],
+			once.Grant{Table: "billing.payments", Privileges: read},
+			once.Grant{Table: "billing.charge_intents", Privileges: write},
+			once.Grant{Table: "billing.cancellations", Privileges: read},
+			once.Grant{Table: "billing.refunds", Privileges: read})
+	}
+	n.Groups = groups
+	return n
 }
 
 // Close closes the service and billing's pool.
