@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"text/tabwriter"
+
+	"github.com/once-dev/once/internal/testenv"
 )
 
 var soak = flag.Bool("e2e.soak", os.Getenv("ONCE_E2E_SOAK") != "", "run the longer soak variant of every scenario (or set ONCE_E2E_SOAK=1)")
@@ -24,6 +26,10 @@ var (
 
 func TestMain(m *testing.M) {
 	flag.Parse()
+	if err := testenv.UseOwnDatabase("e2e"); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		os.Exit(1)
+	}
 	_, file, _, _ := runtime.Caller(0)
 	repoRoot = filepath.Dir(filepath.Dir(file))
 	dir, err := os.MkdirTemp("", "once-e2e-")

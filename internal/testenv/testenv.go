@@ -443,3 +443,56 @@ func MainWithServices(m *testing.M, services ...string) {
 	}
 	os.Exit(m.Run())
 }
+
+// UseOwnDatabase points DATABASE_URL, and ONCE_PGBOUNCER_URL if set, at a
+// database of the calling package's own on the same server, made afresh
+// (its name: the database's, then "_", then name). Call it from TestMain
+// before m.Run. Test packages otherwise share one database, and what one
+// leaves there is another's starting point: outbox rows of topics long
+// gone, row-level security a migration test turned on, forwarder progress
+// rows. A package whose tests run consumers end to end, or change the
+// schema's security, gets a database no other package touched. Without
+// DATABASE_URL it does nothing.
+func UseOwnDatabase(name string) error {
+	base := os.Getenv("DATABASE_URL")
+	if base == "" {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, base)
+	if err != nil {
+		return fmt.Errorf("testenv: connect to DATABASE_URL: %w", err)
+	}
+	defer conn.Close(ctx)
+	own := conn.Config().Database + "_" + name
+	for _, stmt := range []string{"DROP DATABASE IF EXISTS " + pgx.Identifier{own}.Sanitize() + " WITH (FORCE)",
+		"CREATE DATABASE " + pgx.Identifier{own}.Sanitize()} {
+		if _, err := conn.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("testenv: a database of the package's own: %s: %w", stmt, err)
+		}
+	}
+	for _, v := range []string{"DATABASE_URL", "ONCE_PGBOUNCER_URL"} {
+		if u := os.Getenv(v); u != "" {
+			moved, err := withDatabase(u, own)
+			if err != nil {
+				return fmt.Errorf("testenv: %s: %w", v, err)
+			}
+			os.Setenv(v, moved)
+		}
+	}
+	return nil
+}
+
+// withDatabase is databaseURL naming database db instead.
+func withDatabase(databaseURL, db string) (string, error) {
+	u, err := url.Parse(databaseURL)
+	if err != nil {
+		return "", err
+	}
+	if u.Scheme != "postgres" && u.Scheme != "postgresql" {
+		return "", fmt.Errorf("want a postgres:// URL, not keyword/value settings")
+	}
+	u.Path = "/" + db
+	return u.String(), nil
+}
