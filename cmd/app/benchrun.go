@@ -148,7 +148,7 @@ func (b *benchRunCmd) Validate() error {
 	if b.SplitFile != "" && !b.Split {
 		return fmt.Errorf("--split-file needs --split")
 	}
-	return nil
+	return splitFileDir(b.SplitFile)
 }
 
 func (b *benchRunCmd) Run(ctx context.Context, d deps) error {

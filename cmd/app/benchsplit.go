@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"sync"
@@ -447,6 +448,18 @@ func parseOffsetCommit(key, value []byte) (*committedOffset, error) {
 	}
 	c.at = time.UnixMilli(int64(binary.BigEndian.Uint64(v)))
 	return c, nil
+}
+
+// splitFileDir fails unless --split-file's folder exists: the file is
+// written once the measurement is done, which is too late to find out.
+func splitFileDir(path string) error {
+	if path == "" {
+		return nil
+	}
+	if fi, err := os.Stat(filepath.Dir(path)); err != nil || !fi.IsDir() {
+		return fmt.Errorf("--split-file %s: its folder %s does not exist", path, filepath.Dir(path))
+	}
+	return nil
 }
 
 // writeSplitFile writes each event's instants and parts to path, a JSON

@@ -121,6 +121,12 @@ func TestTheSplitRefusesATopicWithoutTheBrokersAppendTime(t *testing.T) {
 	if _, err := runApp(t, append(args, "--split")...); err == nil || !strings.Contains(err.Error(), "--split needs --from-produce") {
 		t.Fatalf("--split without --from-produce: %v", err)
 	}
+	// A folder that is not there is said before the measurement, not after it.
+	missing := filepath.Join(t.TempDir(), "nowhere", "split.jsonl")
+	if _, err := runApp(t, "bench", "--kafka-brokers", strings.Join(brokers, ","), "--database-url", pool.Config().ConnString(),
+		"--rate", "100", "--split-file", missing); err == nil || !strings.Contains(err.Error(), "--split-file "+missing+": its folder") {
+		t.Fatalf("app bench --split-file in a missing folder: %v, want an error naming --split-file", err)
+	}
 }
 
 func fmtPercentiles(p50, p99, p999 float64) string {

@@ -73,6 +73,9 @@ func (b *benchCmd) Validate() error {
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
 	}
+	if err := splitFileDir(b.SplitFile); err != nil {
+		return err
+	}
 	return b.Wait.validate(b.Only)
 }
 
