@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -49,11 +50,17 @@ type benchRunCmd struct {
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
 	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
+	Split        bool       `name:"split" help:"With --from-produce: split each event's latency into production to the broker's append, the append to delivery to the group, delivery to the claim's commit, and the claim's commit to the offset's commit; latency from the producer's once-bench-produced header (to the ns), not the event id. The topic's message.timestamp.type must be LogAppendTime (app bench's offered-load runs make both)."`
+	SplitFile    string     `name:"split-file" type:"path" help:"With --split: write each event's instants and the parts of its latency to this file, a JSON line each."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the whole process to this file: every allocation is recorded, so the run is slower and its figures are not comparable."`
 	Wait         waitFlags  `embed:""`
 
 	hold *holdFigures // WH's, once measured
+	// split: the parts' figures, once measured (--split); splitCPU: the
+	// CPU time spent reading them, not the measurement's.
+	split    []splitFigure
+	splitCPU time.Duration
 	// W, WB, WH: the mean time in the handler, and in a provider's call
 	// (WB), once measured.
 	inHandler, inCall float64
@@ -74,6 +81,9 @@ type benchFigures struct {
 	// Filled in by app bench.
 	PeakRSSKiB int64  `json:"peak_rss_kib,omitempty"`
 	Skipped    string `json:"skipped,omitempty"`
+	// Split is where the time of an offered-load run's events went
+	// (--split): each part's percentiles, in splitParts' order.
+	Split []splitFigure `json:"split,omitempty"`
 	// Hold is WH's account of the held key and the others.
 	Hold *holdFigures `json:"hold,omitempty"`
 	// W, WB, WH: the mean time in the handler, and in one call to the
@@ -126,14 +136,19 @@ func (c *clock) finished(latency time.Duration) {
 func (c *clock) figures(variant string) benchFigures {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	slices.Sort(c.latencies)
-	pct := func(p float64) float64 {
-		if len(c.latencies) == 0 {
-			return 0
-		}
-		return float64(c.latencies[min(len(c.latencies)-1, int(p*float64(len(c.latencies))))].Microseconds()) / 1000
+	f := benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds()}
+	f.P50ms, f.P99ms, f.P999ms = percentiles(c.latencies)
+	return f
+}
+
+func (b *benchRunCmd) Validate() error {
+	if b.Split && (!b.FromProduce || b.Variant[0] != 'P') {
+		return fmt.Errorf("--split needs --from-produce and --variant P, PB or PBW")
 	}
-	return benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds(), P50ms: pct(0.50), P99ms: pct(0.99), P999ms: pct(0.999)}
+	if b.SplitFile != "" && !b.Split {
+		return fmt.Errorf("--split-file needs --split")
+	}
+	return splitFileDir(b.SplitFile)
 }
 
 func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
@@ -211,9 +226,10 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
-	cpu := cpuTime() - cpuBefore
+	cpu := cpuTime() - cpuBefore - b.splitCPU
 	line.Done()
 	f := c.figures(b.Variant)
+	f.Split = b.split
 	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
 	f.Hold = b.hold
@@ -431,15 +447,20 @@ func (b *benchRunCmd) bare(ctx context.Context, pool *pgxpool.Pool, c *clock, lo
 		c.finished(time.Since(start))
 		return nil
 	})
-	return b.runRouter(ctx, c, func(ctx context.Context) error { return router.Run(ctx) })
+	return b.runRouter(ctx, c, func(ctx context.Context) error { return router.Run(ctx) }, nil)
 }
 
-func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.Context) error) error {
+// runRouter runs run until the clock has every event, then, if every event
+// came, whenDone while it still runs, and stops it.
+func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.Context) error, whenDone func() error) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- run(runCtx) }()
 	waitErr := b.wait(ctx, c)
+	if waitErr == nil && whenDone != nil {
+		waitErr = whenDone()
+	}
 	cancel()
 	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
 		return err
@@ -466,44 +487,88 @@ func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *cloc
 
 // runPipeline runs cfg's pipeline (its topics and groups, and hooks of its
 // own if any) until the clock has every event, timing each from its
-// delivery to its group to its commit.
+// delivery to its group (or its production, --from-produce) to its commit;
+// with --split, where each event's time went.
 func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger, cfg pipeline.Config) error {
 	// Measured with hooks, not an Observe middleware: one would take a
 	// batched group off its direct path (see pipeline.Batch).
-	type at struct {
-		partition int32
-		offset    int64
-	}
 	var mu sync.Mutex
-	starts := map[at]time.Time{}
+	starts := map[partitionOffset]time.Time{}   // delivered, not yet committed
+	produced := map[partitionOffset]time.Time{} // --split: the same events' production
+	var events []*eventTimes                    // --split: the committed ones
+	var bad error                               // --split: an event without its production time
+	if b.Split {
+		events = make([]*eventTimes, 0, b.Events)
+		version, err := pipeline.ParseKafkaVersion(b.KafkaVersion)
+		if err != nil {
+			return fmt.Errorf("--kafka-version: %w", err)
+		}
+		admin, err := sarama.NewClusterAdmin(b.Brokers, pipeline.PublisherSaramaConfig(version))
+		if err != nil {
+			return fmt.Errorf("--kafka-brokers: %w", err)
+		}
+		err = checkLogAppendTime(admin, b.Topic)
+		admin.Close()
+		if err != nil {
+			return err
+		}
+	}
+	keep := !b.FromProduce || b.Split
+	// The split's instants are wall-clock times (Round(0) drops the
+	// monotonic reading): the producer's and the broker's are, on the same
+	// clock, and the parts then add up exactly.
+	now := time.Now
+	if b.Split {
+		now = func() time.Time { return time.Now().Round(0) }
+	}
 	hooks := pipeline.Hooks{
 		OnDelivered: func(d pipeline.Delivery) {
-			start := time.Now()
+			start := now()
 			c.started(start)
-			if !b.FromProduce {
-				mu.Lock()
-				starts[at{d.Partition, d.Offset}] = start
-				mu.Unlock()
+			if !keep {
+				return
 			}
+			at := partitionOffset{d.Partition, d.Offset}
+			var from time.Time
+			var err error
+			if b.Split {
+				from, err = producedAt(d.Headers)
+			}
+			mu.Lock()
+			starts[at] = start
+			if b.Split {
+				produced[at] = from
+				bad = cmp.Or(bad, err)
+			}
+			mu.Unlock()
 		},
 		OnResult: func(r idempotency.Result) {
 			if r.Outcome != idempotency.Processed {
 				return
 			}
+			done := now()
 			// Kafka's queueing counts too: what a payments team waits.
 			start := idempotency.IDTime(r.EventID)
-			if !b.FromProduce {
+			if keep {
 				// The pipeline's message UUID is topic/partition/offset.
 				rest, o, _ := cutLast(r.MessageUUID, "/")
 				_, p, _ := cutLast(rest, "/")
 				partition, _ := strconv.ParseInt(p, 10, 32)
 				offset, _ := strconv.ParseInt(o, 10, 64)
+				at := partitionOffset{int32(partition), offset}
 				mu.Lock()
-				start = starts[at{int32(partition), offset}]
-				delete(starts, at{int32(partition), offset})
+				start = starts[at]
+				delete(starts, at)
+				if b.Split {
+					e := &eventTimes{Partition: at.partition, Offset: at.offset, Produced: produced[at], Delivered: start, Committed: done}
+					delete(produced, at)
+					start = e.Produced
+					e.Latency = done.Sub(start)
+					events = append(events, e)
+				}
 				mu.Unlock()
 			}
-			c.finished(time.Since(start))
+			c.finished(done.Sub(start))
 		},
 	}
 	cfg.Brokers, cfg.KafkaVersion, cfg.DB, cfg.Logger = b.Brokers, b.KafkaVersion, pool, log
@@ -512,7 +577,30 @@ func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *cl
 	if err != nil {
 		return err
 	}
-	return b.runRouter(ctx, c, p.Run)
+	var whenDone func() error
+	if b.Split {
+		whenDone = func() error {
+			mu.Lock()
+			done, err := slices.Clone(events), bad
+			mu.Unlock()
+			if err != nil {
+				return fmt.Errorf("--split: %w", err)
+			}
+			before := cpuTime()
+			defer func() { b.splitCPU = cpuTime() - before }()
+			if err := b.splitTimes(ctx, done); err != nil {
+				return err
+			}
+			b.split = splitFigures(done)
+			if b.SplitFile != "" {
+				if err := writeSplitFile(b.SplitFile, done); err != nil {
+					return fmt.Errorf("--split-file: %w", err)
+				}
+			}
+			return nil
+		}
+	}
+	return b.runRouter(ctx, c, p.Run, whenDone)
 }
 
 // cutLast is strings.Cut at the last sep.
@@ -554,8 +642,9 @@ func publishKeyed(brokers []string, version sarama.KafkaVersion, topic string, p
 }
 
 // publishAtRate publishes events events to topic at rate a second,
-// evenly (a batch every 10 ms), each made as it is sent: its id's time is
-// when it was produced, from which the consumer measures its latency.
+// evenly (a batch every 10 ms), each made as it is sent: its id's time, and
+// its producedHeader to the nanosecond, say when it was produced, from which
+// the consumer measures its latency.
 func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, events, rate int) error {
 	cfg := pipeline.PublisherSaramaConfig(version)
 	cfg.Producer.Compression = sarama.CompressionNone
@@ -570,7 +659,9 @@ func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVe
 		due := min(events, int(float64(rate)*time.Since(start).Seconds())+1)
 		var msgs []*sarama.ProducerMessage
 		for ; sent < due; sent++ {
-			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(benchEvent(sent))})
+			ev := benchEvent(sent)
+			produced := []sarama.RecordHeader{{Key: []byte(producedHeader), Value: strconv.AppendInt(nil, time.Now().UnixNano(), 10)}}
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(ev), Headers: produced})
 		}
 		if len(msgs) > 0 {
 			if err := producer.SendMessages(msgs); err != nil {

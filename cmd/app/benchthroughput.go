@@ -48,6 +48,7 @@ type benchCmd struct {
 	Only         []string          `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer,W,WB,WH" help:"Run only these variants (default: all; W, WB and WH with --handler-latency)."`
 	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
 	RateEvents   int               `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
+	SplitFile    string            `name:"split-file" type:"path" help:"Write each offered-load event's instants and the parts of its latency to FILE, a JSON line each, a file per measurement: FILE with the variant and the rate before its extension (split.jsonl: split.P.500.jsonl)."`
 	Plot         string            `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png), and one of the waiting handler's events/s by N beside it, named with -wait before the extension."`
 	CPUProfile   string            `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
 	Wait         benchWaitSettings `embed:""`
@@ -71,6 +72,9 @@ func (b *benchCmd) Validate() error {
 	}
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
+	}
+	if err := splitFileDir(b.SplitFile); err != nil {
+		return err
 	}
 	return b.Wait.validate(b.Only)
 }
@@ -202,8 +206,9 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			// A topic per measurement: a group reads from the oldest
 			// offset, and must not read the events another one was
 			// measured with.
+			// Its records carry the broker's append time: the split's.
 			topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
-			if err := pipeline.EnsureTopics(ctx, b.Brokers, version, pipeline.KafkaSecurity{}, b.Partitions, 1, topic); err != nil {
+			if err := logAppendTimeTopic(admin, topic, b.Partitions); err != nil {
 				return err
 			}
 			topics = append(topics, topic)
@@ -263,6 +268,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
 		}
 		t.Flush()
+		printSplit(w, offered)
 	}
 	if waited != nil {
 		waited.print(w)
@@ -368,6 +374,26 @@ const (
 
 var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
 
+// printSplit writes where the offered loads' time went, part by part.
+func printSplit(w io.Writer, offered []rateRow) {
+	fmt.Fprintln(w, "\nwhere the time goes (ms; per event the first three parts add up to its latency above, production to the claim's commit; the offset's commit comes after it)")
+	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(t, "events/s\tvariant\tpart\tp50\tp99\tp99.9\t")
+	for _, r := range offered {
+		for _, f := range []benchFigures{r.p, r.pb} {
+			if f.Skipped != "" {
+				fmt.Fprintf(t, "%d\t%s\tskipped\t-\t-\t-\t\n", r.rate, f.Variant)
+				continue
+			}
+			for _, s := range f.Split {
+				fmt.Fprintf(t, "%d\t%s\t%s\t%.2f\t%.2f\t%.2f\t\n", r.rate, f.Variant, s.Part, s.P50ms, s.P99ms, s.P999ms)
+			}
+			fmt.Fprintf(t, "%d\t%s\t%s\t%.2f\t%.2f\t%.2f\t\n", r.rate, f.Variant, "whole: production -> claim's commit", f.P50ms, f.P99ms, f.P999ms)
+		}
+	}
+	t.Flush()
+}
+
 // rateRow is one offered load's figures.
 type rateRow struct {
 	rate  int
@@ -386,7 +412,12 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	childCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), since, append(extra, "--from-produce")...)
+		extra = append(extra, "--from-produce", "--split")
+		if b.SplitFile != "" {
+			ext := filepath.Ext(b.SplitFile)
+			extra = append(extra, "--split-file", fmt.Sprintf("%s.%s.%d%s", strings.TrimSuffix(b.SplitFile, ext), variant, rate, ext))
+		}
+		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), since, extra...)
 		done <- result{f, err}
 	}()
 	joined := time.Now().Add(time.Minute)
