@@ -49,6 +49,7 @@ type benchRunCmd struct {
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
+	Rate         int        `name:"rate" help:"L2, L2B: hand the events to the claim at this rate (events/s) instead of all at once, each latency from the instant it was due: the database's own latency at an offered load. 0: all at once."`
 	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
 	Split        bool       `name:"split" help:"With --from-produce: split each event's latency into production to the broker's append, the append to delivery to the group, delivery to the claim's commit, and the claim's commit to the offset's commit; latency from the producer's once-bench-produced header (to the ns), not the event id. The topic's message.timestamp.type must be LogAppendTime (app bench's offered-load runs make both)."`
 	SplitFile    string     `name:"split-file" type:"path" help:"With --split: write each event's instants and the parts of its latency to this file, a JSON line each."`
@@ -142,6 +143,9 @@ func (c *clock) figures(variant string) benchFigures {
 }
 
 func (b *benchRunCmd) Validate() error {
+	if b.Rate < 0 || b.Rate > 0 && b.Variant != "L2" && b.Variant != "L2B" {
+		return fmt.Errorf("--rate %d: a rate of at least 1 event/s, for --variant L2 or L2B only", b.Rate)
+	}
 	if b.Split && (!b.FromProduce || b.Variant[0] != 'P') {
 		return fmt.Errorf("--split needs --from-produce and --variant P, PB or PBW")
 	}
@@ -331,32 +335,69 @@ func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, 
 			return nil, pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return analyticsUpsert(msg.Context(), tx, msg.Payload) })
 		}
 	}
-	work := make(chan []byte)
+	work := make(chan dueEvent)
 	var failed atomic.Value
 	var wg sync.WaitGroup
 	for range b.Concurrency {
 		wg.Go(func() {
-			for p := range work {
+			for ev := range work {
 				start := time.Now()
 				c.started(start)
-				msg := message.NewMessage(watermill.NewUUID(), p)
+				msg := message.NewMessage(watermill.NewUUID(), ev.payload)
 				msg.SetContext(ctx)
 				if _, err := h(msg); err != nil {
 					failed.Store(err)
 				}
-				c.finished(time.Since(start))
+				c.finished(time.Since(ev.since(start)))
 			}
 		})
 	}
-	for _, p := range benchEvents(b.Events) {
-		work <- p
-	}
-	close(work)
+	b.feed(ctx, benchEvents(b.Events), work)
 	wg.Wait()
 	if err, _ := failed.Load().(error); err != nil {
 		return fmt.Errorf("bench L2: %w", err)
 	}
 	return nil
+}
+
+// dueEvent is an event handed to L2 or L2B, with the instant it was due
+// at an offered load (zero: all at once).
+type dueEvent struct {
+	payload []byte
+	due     time.Time
+}
+
+// since is where the event's latency starts: when it was due, at an
+// offered load, else when its processing started.
+func (ev dueEvent) since(start time.Time) time.Time {
+	if ev.due.IsZero() {
+		return start
+	}
+	return ev.due
+}
+
+// feed hands payloads to work, all at once or, with --rate, each at its
+// instant, evenly spaced (time.Sleep, not a ticker, so that a late wake-up
+// sends what has fallen due at once instead of drifting), and closes it.
+// An event's latency starts at its instant: the wait for a free goroutine
+// counts, as a delivered message's wait for its turn does.
+func (b *benchRunCmd) feed(ctx context.Context, payloads [][]byte, work chan<- dueEvent) {
+	defer close(work)
+	start := time.Now()
+	for i, p := range payloads {
+		ev := dueEvent{payload: p}
+		if b.Rate > 0 {
+			ev.due = start.Add(time.Duration(float64(i) / float64(b.Rate) * float64(time.Second)))
+			if wait := time.Until(ev.due); wait > 0 {
+				time.Sleep(wait)
+			}
+		}
+		select {
+		case work <- ev:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // directBatched (L2B) is L2 with the group commit: BatchSize events per
@@ -367,13 +408,44 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 		return err
 	}
 	payloads := benchEvents(b.Events)
-	chunks := make(chan [][]byte)
-	go func() {
-		defer close(chunks)
-		for i := 0; i < len(payloads); i += b.BatchSize {
-			chunks <- payloads[i:min(i+b.BatchSize, len(payloads))]
-		}
-	}()
+	chunks := make(chan []dueEvent)
+	if b.Rate > 0 {
+		// At an offered load a batch is what has come, up to BatchSize,
+		// as a batched group's is: the first event waited for, the others
+		// taken if they are there.
+		arriving := make(chan dueEvent, len(payloads))
+		go b.feed(ctx, payloads, arriving)
+		go func() {
+			defer close(chunks)
+			for first := range arriving {
+				chunk := []dueEvent{first}
+			more:
+				for len(chunk) < b.BatchSize {
+					select {
+					case ev, ok := <-arriving:
+						if !ok {
+							break more
+						}
+						chunk = append(chunk, ev)
+					default:
+						break more
+					}
+				}
+				chunks <- chunk
+			}
+		}()
+	} else {
+		go func() {
+			defer close(chunks)
+			for i := 0; i < len(payloads); i += b.BatchSize {
+				var chunk []dueEvent
+				for _, p := range payloads[i:min(i+b.BatchSize, len(payloads))] {
+					chunk = append(chunk, dueEvent{payload: p})
+				}
+				chunks <- chunk
+			}
+		}()
+	}
 	var failed atomic.Value
 	var wg sync.WaitGroup
 	for range b.BatchConc {
@@ -392,11 +464,11 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	return nil
 }
 
-func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c *clock, chunk [][]byte) error {
+func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c *clock, chunk []dueEvent) error {
 	{
 		msgs := make([]*message.Message, len(chunk))
-		for j, p := range chunk {
-			msgs[j] = message.NewMessage(watermill.NewUUID(), p)
+		for j, ev := range chunk {
+			msgs[j] = message.NewMessage(watermill.NewUUID(), ev.payload)
 			msgs[j].SetContext(ctx)
 		}
 		start := time.Now()
@@ -416,8 +488,8 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 				return fmt.Errorf("bench L2B: %w", err)
 			}
 		}
-		for range chunk {
-			c.finished(time.Since(start))
+		for _, ev := range chunk {
+			c.finished(time.Since(ev.since(start)))
 		}
 	}
 	return nil

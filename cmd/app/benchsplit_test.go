@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -153,11 +154,16 @@ func printedSplit(t *testing.T, out string, rate int) map[string]string {
 }
 
 // printedOffered reads the offered-load table's row of rate: P's p50, p99,
-// p99.9, then PB's.
+// p99.9, then PB's (then PB's CPU, and L2's and L2B's p50 and p99).
 func printedOffered(t *testing.T, out string, rate int) []string {
 	t.Helper()
 	for _, l := range strings.Split(out, "\n") {
-		if f := strings.Fields(l); len(f) == 8 && f[0] == fmt.Sprint(rate) {
+		if f := strings.Fields(l); len(f) == 12 && f[0] == fmt.Sprint(rate) {
+			for i, v := range f[8:] {
+				if ms, err := strconv.ParseFloat(v, 64); err != nil || ms <= 0 {
+					t.Errorf("the database's own latency at %d events/s, column %d: %q, want a positive figure", rate, 9+i, v)
+				}
+			}
 			return f[1:7]
 		}
 	}

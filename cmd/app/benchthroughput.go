@@ -46,7 +46,7 @@ type benchCmd struct {
 	KeepTopics   bool              `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
 	Rounds       int               `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
 	Only         []string          `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer,W,WB,WH" help:"Run only these variants (default: all; W, WB and WH with --handler-latency)."`
-	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
+	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9, and where the time went), and L2 and L2B as events are handed to the claim at the rate (the database's own latency at that load); empty for none."`
 	RateEvents   int               `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
 	SplitFile    string            `name:"split-file" type:"path" help:"Write each offered-load event's instants and the parts of its latency to FILE, a JSON line each, a file per measurement: FILE with the variant and the rate before its extension (split.jsonl: split.P.500.jsonl)."`
 	Plot         string            `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png), and one of the waiting handler's events/s by N beside it, named with -wait before the extension."`
@@ -228,6 +228,26 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 				row.pb = f
 			}
 		}
+		// The database's own latency at the same load beside them: the
+		// claim and the upsert handed over at the rate, no Kafka.
+		for _, variant := range []string{"L2", "L2B"} {
+			line.Set("offered load: %s at %d events/s", variant, rate)
+			measurements++
+			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
+			groups = append(groups, group)
+			f, err := b.child(ctx, d, variant, "", group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), started,
+				append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate))...)
+			if err != nil {
+				line.Done()
+				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
+				f = benchFigures{Variant: variant, Skipped: err.Error()}
+			}
+			if variant == "L2" {
+				row.l2 = f
+			} else {
+				row.l2b = f
+			}
+		}
 		offered = append(offered, row)
 	}
 	waited, err := b.measureWaiting(ctx, d, version, benchBook{run: run, started: started, topics: &topics, groups: &groups, measurements: &measurements, line: line})
@@ -263,9 +283,10 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	if len(offered) > 0 {
 		fmt.Fprintf(w, "\noffered load (%d events each, produced at the rate while consumed; %d partitions; latencies in ms, from each event's production to its commit)\n", b.RateEvents, b.Partitions)
 		t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\t")
+		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\tL2 p50\tL2 p99\tL2B p50\tL2B p99\t")
 		for _, r := range offered {
-			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
+			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus,
+				r.l2.P50ms, r.l2.P99ms, r.l2b.P50ms, r.l2b.P99ms)
 		}
 		t.Flush()
 		printSplit(w, offered)
@@ -279,7 +300,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			pts.sweep = append(pts.sweep, plotSweep{partitions: r.partitions, p: r.p, pb: r.pb})
 		}
 		for _, r := range offered {
-			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb})
+			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb, l2: r.l2, l2b: r.l2b})
 		}
 		if err := pts.save(b.Plot); err != nil {
 			return fmt.Errorf("--plot %s: %w", b.Plot, err)
@@ -396,8 +417,8 @@ func printSplit(w io.Writer, offered []rateRow) {
 
 // rateRow is one offered load's figures.
 type rateRow struct {
-	rate  int
-	p, pb benchFigures
+	rate           int
+	p, pb, l2, l2b benchFigures
 }
 
 // atRate measures variant while events are produced at rate: the consumer
