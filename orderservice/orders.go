@@ -18,6 +18,7 @@ import (
 
 	"github.com/once-dev/once/orderevents"
 	"github.com/once-dev/once/outbox"
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/schema"
 )
 
@@ -98,7 +99,7 @@ type ConfirmRequest struct {
 // Confirm confirms an order in its own transaction.
 func (s *Service) Confirm(ctx context.Context, req ConfirmRequest) (orderevents.Confirmed, error) {
 	var ev orderevents.Confirmed
-	err := pgx.BeginFunc(ctx, s.cfg.DB, func(tx pgx.Tx) error {
+	err := pgdb.InTxBounded(ctx, s.cfg.DB, idleBound, func(tx pgx.Tx) error {
 		var err error
 		ev, err = s.ConfirmInTx(ctx, tx, req)
 		return err
@@ -156,7 +157,7 @@ func (s *Service) Cancel(ctx context.Context, orderID int64, reason string) (ord
 		return orderevents.Cancelled{}, errors.New("orders: Config.CancelledTopic is not set: cancellations are off")
 	}
 	var ev orderevents.Cancelled
-	err := pgx.BeginFunc(ctx, s.cfg.DB, func(tx pgx.Tx) error {
+	err := pgdb.InTxBounded(ctx, s.cfg.DB, idleBound, func(tx pgx.Tx) error {
 		eventID, err := uuid.NewV7()
 		if err != nil {
 			return fmt.Errorf("orders: event id: %w", err)
@@ -199,3 +200,9 @@ func (s *Service) PruneOutbox(ctx context.Context, olderThan time.Duration, batc
 func (s *Service) NewForwarder(kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
 	return s.outbox.Forwarder(s.cfg.DB, kafkaPublisher)
 }
+
+// idleBound is how long the server lets a request's transaction sit idle:
+// it runs its statements back to back, and one whose client vanished
+// behind a network black hole must not keep its locks, or its transaction
+// id (which holds back every outbox forwarder of the cluster), for long.
+const idleBound = 30 * time.Second

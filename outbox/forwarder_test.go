@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -183,4 +184,17 @@ func TestAForwarderThatVanishedMidPollReleasesTheOutbox(t *testing.T) {
 	third := uuid.Must(uuid.NewV7())
 	write(third)
 	testenv.Eventually(t, 30*time.Second, "forwarder B forwards the rows behind the vanished forwarder's transaction", forwarded(second, third))
+}
+
+// The server's idle bound is an int of milliseconds: a longer one is
+// refused naming the setting, not failed at every poll.
+func TestAnIdleBoundTheServerCannotTakeIsRefused(t *testing.T) {
+	ob, err := outbox.New(schema.Config{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob.IdleInTransactionTimeout = 30 * 24 * time.Hour
+	if _, err := ob.Forwarder(nil, outbox.KafkaPublisher{}); err == nil || !strings.Contains(err.Error(), "IdleInTransactionTimeout 720h0m0s") {
+		t.Fatalf("a 30-day bound: %v; want it refused naming IdleInTransactionTimeout", err)
+	}
 }

@@ -47,7 +47,9 @@ type Outbox struct {
 	// forwarder of the table waits all that time, so nothing from the
 	// outbox reaches Kafka. Set it above the longest Kafka publish of a
 	// poll: a transaction cut short publishes its rows again (consumers
-	// skip the copies by their event ids). Zero means
+	// skip the copies by their event ids): a Kafka outage longer than it
+	// ends the transaction, and its rows, up to a poll's, go out again
+	// once Kafka is back. Zero means
 	// [DefaultIdleInTransactionTimeout]; a negative value keeps the
 	// server's setting.
 	IdleInTransactionTimeout time.Duration
@@ -529,13 +531,12 @@ type idleBounded struct {
 
 func (d idleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
 	tx, err := d.DB.BeginTx(ctx, opts)
-	if err != nil || d.limit < 0 {
+	if err != nil {
 		return tx, err
 	}
-	if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`,
-		fmt.Sprint(max(d.limit.Milliseconds(), 1))); err != nil {
+	if err := pgdb.BoundIdle(ctx, tx, d.limit); err != nil {
 		_ = tx.Rollback(ctx)
-		return nil, fmt.Errorf("outbox: bound the forwarder's idle transaction: %w", err)
+		return nil, fmt.Errorf("outbox: %w", err)
 	}
 	return tx, nil
 }
@@ -545,6 +546,9 @@ func (d idleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, e
 // the publish returned, so a crash in between publishes it again. Several
 // forwarders on one table take turns; each message goes out in table order.
 func (o *Outbox) Forwarder(db pgdb.DB, kafkaPublisher message.Publisher) (*forwarder.Forwarder, error) {
+	if o.IdleInTransactionTimeout > pgdb.MaxIdleBound {
+		return nil, fmt.Errorf("outbox: IdleInTransactionTimeout %s: at most %s (the server's idle_in_transaction_session_timeout is an int of milliseconds)", o.IdleInTransactionTimeout, pgdb.MaxIdleBound)
+	}
 	sub, watch, err := o.subscriberWatched(db, false)
 	if err != nil {
 		return nil, err

@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/once-dev/once/orderevents"
+	"github.com/once-dev/once/pgdb"
 	"github.com/shopspring/decimal"
 )
 
@@ -330,7 +331,7 @@ func (p *Provider) executeCharge(ctx context.Context, acct, key string, body []b
 			status, resp = http.StatusInternalServerError, problem{"processing_error", "injected fault, stored under this key"}
 		}
 	}
-	err = pgx.BeginFunc(ctx, p.cfg.DB, func(tx pgx.Tx) error {
+	err = pgdb.InTxBounded(ctx, p.cfg.DB, idleBound, func(tx pgx.Tx) error {
 		if status == http.StatusOK {
 			id := "ch_" + strings.ReplaceAll(uuid.Must(uuid.NewV7()).String(), "-", "")
 			var created time.Time
@@ -369,7 +370,7 @@ func (p *Provider) executeRefund(ctx context.Context, acct, key string, body []b
 			err = nil
 		}
 	}
-	err = pgx.BeginFunc(ctx, p.cfg.DB, func(tx pgx.Tx) error {
+	err = pgdb.InTxBounded(ctx, p.cfg.DB, idleBound, func(tx pgx.Tx) error {
 		if status == http.StatusOK {
 			var orderID, currency string
 			var charged, refundedSoFar decimal.Decimal
@@ -511,3 +512,9 @@ func (p *Provider) readLedger(ctx context.Context, acct string) (Ledger, error) 
 	}
 	return l, nil
 }
+
+// idleBound is how long the server lets a request's transaction sit idle:
+// it runs its statements back to back, and one whose client vanished
+// behind a network black hole must not keep its locks, or its transaction
+// id (which holds back every outbox forwarder of the cluster), for long.
+const idleBound = 30 * time.Second

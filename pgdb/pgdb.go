@@ -17,7 +17,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -33,6 +36,43 @@ type Beginner interface {
 func InTx(ctx context.Context, db Beginner, f func(pgx.Tx) error) error {
 	return pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, f)
 }
+
+// InTxBounded is InTx with the transaction's idle time bounded by idle
+// (see [BoundIdle]), for a transaction that writes.
+func InTxBounded(ctx context.Context, db Beginner, idle time.Duration, f func(pgx.Tx) error) error {
+	return pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		if err := BoundIdle(ctx, tx, idle); err != nil {
+			return err
+		}
+		return f(tx)
+	})
+}
+
+// BoundIdle sets how long the server lets tx sit idle between its
+// statements (idle_in_transaction_session_timeout), for tx only: behind a
+// transaction pooler a session setting would stay on a server connection
+// another client gets next, and the pooler refuses one in the start-up
+// packet. A client that vanished behind a network black hole cannot tell
+// the server it gave up: without a bound its backend keeps the
+// transaction open until TCP keepalive notices, two hours by default,
+// with every lock it took (a claim's row, a dead letter's source, a
+// detach's lock on the whole claim table) and its transaction id, which
+// holds back every outbox forwarder of the cluster (watermill-sql sends
+// only rows older than the oldest transaction still running). Zero or
+// less keeps the server's setting.
+func BoundIdle(ctx context.Context, tx pgx.Tx, idle time.Duration) error {
+	if idle <= 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, strconv.FormatInt(max(idle.Milliseconds(), 1), 10)); err != nil {
+		return fmt.Errorf("pgdb: bound the transaction's idle time: %w", err)
+	}
+	return nil
+}
+
+// MaxIdleBound is the longest bound [BoundIdle] can set: the server's
+// setting is in milliseconds, an int.
+const MaxIdleBound = math.MaxInt32 * time.Millisecond
 
 // ErrModeBehindPooler is the start-up refusal of a pgx query exec mode that
 // cannot work behind a transaction pooler.

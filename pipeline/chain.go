@@ -288,7 +288,10 @@ func (p *Pipeline) park(msg *message.Message, db DB, d Delivery, letter dlq.Lett
 		defer context.AfterFunc(owner, cancel)()
 	}
 	parked := true
-	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, func(tx pgx.Tx) error {
+	// Bounded on the server too: a client that vanished mid-park would
+	// leave its source row's key locked, and every retry of this message
+	// (here or at the partition's next owner) would wait on it.
+	err := pgdb.InTxBounded(ctx, db, p.cfg.StatementTimeout, func(tx pgx.Tx) error {
 		if _, fromKafka := claimOf(msg); !fromKafka {
 			// Not read from Kafka by the pipeline: no place to know it by.
 			return p.letters.Park(ctx, tx, letter)

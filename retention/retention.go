@@ -221,10 +221,17 @@ func (l lease) renew(ctx context.Context) error {
 }
 
 // inTx runs f in a transaction of its own: every statement of a pass is
-// in one, whatever connection a pooler gives it.
+// in one, whatever connection a pooler gives it. The server ends it after
+// idleBound of silence: a pass's transactions run their own statements
+// back to back, so silence means the pass is gone, and what it held must
+// not outlive it by much (a detach holds the claim table's exclusive
+// lock: every claim of every group waits on it).
 func inTx(ctx context.Context, db pgdb.DB, f func(pgx.Tx) error) error {
-	return pgdb.InTx(ctx, db, f)
+	return pgdb.InTxBounded(ctx, db, idleBound, f)
 }
+
+// idleBound is how long a pass's transaction may sit idle on the server.
+const idleBound = 10 * time.Second
 
 // names are one claim table's relations.
 type names struct {
@@ -460,7 +467,7 @@ func dropExpired(ctx context.Context, ddl ddlRunner, n names, cutoff time.Time, 
 		return err
 	}
 	// Oldest first, in one order every pass: a pass cut short leaves the
-	// newest days, and a claim's wait on a detach is on its own day's.
+	// newest days.
 	for _, name := range slices.Sorted(maps.Keys(tables)) {
 		attached := tables[name]
 		day, err := time.Parse("20060102", n.daily.FindStringSubmatch(name)[1])

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
+	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/schema"
 )
@@ -620,4 +622,75 @@ func TestAGuidesRetentionLongerThanTheLibrarysIsRefused(t *testing.T) {
 			t.Errorf("GuideRetention %s: %v; want accepted: %v, else refused by name", tc.guide, err, tc.ok)
 		}
 	}
+}
+
+// detachVanishes is a database whose transactions black-hole the proxy in
+// front of it right after a DETACH PARTITION ran: the pass's client is
+// gone with the claim table's exclusive lock taken, and the server never
+// hears of it.
+type detachVanishes struct {
+	pgdb.DB
+	proxy *testenv.Proxy
+	done  atomic.Bool
+}
+
+func (d *detachVanishes) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
+	tx, err := d.DB.BeginTx(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &detachVanishesTx{Tx: tx, d: d}, nil
+}
+
+type detachVanishesTx struct {
+	pgx.Tx
+	d *detachVanishes
+}
+
+func (tx *detachVanishesTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := tx.Tx.Exec(ctx, sql, args...)
+	if err == nil && strings.Contains(sql, "DETACH PARTITION") && tx.d.done.CompareAndSwap(false, true) {
+		tx.d.proxy.BlackHole(true)
+	}
+	return tag, err
+}
+
+// A pass whose client vanished behind a network black hole right after its
+// DETACH leaves a transaction holding the claim table's exclusive lock:
+// every claim of every group waits on it. The pass's transactions bound
+// their idle time on the server, so the orphan ends and claims go on.
+// Before, nothing bounded it, and claims waited until TCP keepalive
+// noticed (two hours).
+func TestAPassThatVanishedMidDetachReleasesTheClaimTable(t *testing.T) {
+	pool := setup(t)
+	names := namedClaimTable(t, pool)
+	now := at("2025-07-01T12:00:00Z")
+	run(t, retention.Config{DB: pool, Tables: names, Retention: 7 * 24 * time.Hour, Now: func() time.Time { return now }})
+
+	proxied, proxy := testenv.ProxiedPostgres(t, pool)
+	t.Cleanup(func() { proxy.BlackHole(false); proxy.Cut() }) // before the proxied pool closes
+	db := &detachVanishes{DB: proxied, proxy: proxy}
+	now = at("2025-07-10T12:00:00Z")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_, _ = retention.Run(ctx, retention.Config{DB: db, Tables: names, Retention: 7 * 24 * time.Hour, Now: func() time.Time { return now }})
+	}()
+	testenv.Eventually(t, 30*time.Second, "the pass detaches a day", db.done.Load)
+	var orphans int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%DETACH PARTITION%' || $1 || '%'`, names.Schema).Scan(&orphans); err != nil {
+		t.Fatal(err)
+	}
+	if orphans != 1 {
+		t.Fatalf("%d transactions idle after their DETACH; want the vanished pass's: the fault did not happen", orphans)
+	}
+
+	// A claim, on a working connection, of an event of today.
+	claimed := time.Now()
+	claimCtx, stop := context.WithTimeout(ctx, 30*time.Second)
+	defer stop()
+	if _, err := pool.Exec(claimCtx, `INSERT INTO `+names.Claims().Qualified+` (event_id, consumer_group) VALUES ($1, 'g') ON CONFLICT DO NOTHING`, v7At(now)); err != nil {
+		t.Fatalf("a claim waited on the vanished pass's lock for %s: %v", time.Since(claimed).Round(time.Millisecond), err)
+	}
+	t.Logf("the claim went in %s after the pass vanished", time.Since(claimed).Round(time.Millisecond))
 }
