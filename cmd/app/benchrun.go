@@ -49,6 +49,7 @@ type benchRunCmd struct {
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
+	Warmup       int        `name:"warmup-events" help:"Events before the measured ones that warm the run up and are left out of its figures: at an offered load, those the producer marked with its once-bench-warmup header (P, PB), or the first ones handed over (L2, L2B)."`
 	Rate         int        `name:"rate" help:"L2, L2B: hand the events to the claim at this rate (events/s) instead of all at once, each latency from the instant it was due: the database's own latency at an offered load. 0: all at once."`
 	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
 	Split        bool       `name:"split" help:"With --from-produce: split each event's latency into production to the broker's append, the append to delivery to the group, delivery to the claim's commit, and the claim's commit to the offset's commit; latency from the producer's once-bench-produced header (to the ns), not the event id. The topic's message.timestamp.type must be LogAppendTime (app bench's offered-load runs make both)."`
@@ -129,6 +130,14 @@ func (c *clock) finished(latency time.Duration) {
 	c.last = time.Now()
 	c.latencies = append(c.latencies, latency)
 	c.mu.Unlock()
+	c.count()
+}
+
+// warmedUp counts a warm-up event done: the run waits for it, the figures
+// leave it out.
+func (c *clock) warmedUp() { c.count() }
+
+func (c *clock) count() {
 	if c.done.Add(1) == c.want {
 		close(c.all)
 	}
@@ -137,7 +146,7 @@ func (c *clock) finished(latency time.Duration) {
 func (c *clock) figures(variant string) benchFigures {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	f := benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds()}
+	f := benchFigures{Variant: variant, Events: len(c.latencies), Seconds: c.last.Sub(c.first).Seconds()}
 	f.P50ms, f.P99ms, f.P999ms = percentiles(c.latencies)
 	return f
 }
@@ -148,6 +157,9 @@ func (b *benchRunCmd) Validate() error {
 	}
 	if b.Split && (!b.FromProduce || b.Variant[0] != 'P') {
 		return fmt.Errorf("--split needs --from-produce and --variant P, PB or PBW")
+	}
+	if b.Warmup < 0 || b.Warmup > 0 && b.Rate == 0 && !b.Split {
+		return fmt.Errorf("--warmup-events %d: at an offered load only (--rate with L2 or L2B, --split with P or PB)", b.Warmup)
 	}
 	if b.SplitFile != "" && !b.Split {
 		return fmt.Errorf("--split-file needs --split")
@@ -172,7 +184,7 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pool.Close()
-	c := newClock(b.Events)
+	c := newClock(b.Events + b.Warmup)
 	line := progress.New(d.stderr)
 	defer line.Done()
 	label := b.Variant
@@ -342,17 +354,23 @@ func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, 
 		wg.Go(func() {
 			for ev := range work {
 				start := time.Now()
-				c.started(start)
+				if !ev.warmup {
+					c.started(start)
+				}
 				msg := message.NewMessage(watermill.NewUUID(), ev.payload)
 				msg.SetContext(ctx)
 				if _, err := h(msg); err != nil {
 					failed.Store(err)
 				}
-				c.finished(time.Since(ev.since(start)))
+				if ev.warmup {
+					c.warmedUp()
+				} else {
+					c.finished(time.Since(ev.since(start)))
+				}
 			}
 		})
 	}
-	b.feed(ctx, benchEvents(b.Events), work)
+	b.feed(ctx, benchEvents(b.Events+b.Warmup), work)
 	wg.Wait()
 	if err, _ := failed.Load().(error); err != nil {
 		return fmt.Errorf("bench L2: %w", err)
@@ -365,6 +383,7 @@ func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, 
 type dueEvent struct {
 	payload []byte
 	due     time.Time
+	warmup  bool // not measured: --warmup-events
 }
 
 // since is where the event's latency starts: when it was due, at an
@@ -385,7 +404,7 @@ func (b *benchRunCmd) feed(ctx context.Context, payloads [][]byte, work chan<- d
 	defer close(work)
 	start := time.Now()
 	for i, p := range payloads {
-		ev := dueEvent{payload: p}
+		ev := dueEvent{payload: p, warmup: i < b.Warmup}
 		if b.Rate > 0 {
 			ev.due = start.Add(time.Duration(float64(i) / float64(b.Rate) * float64(time.Second)))
 			if wait := time.Until(ev.due); wait > 0 {
@@ -407,7 +426,7 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	if err != nil {
 		return err
 	}
-	payloads := benchEvents(b.Events)
+	payloads := benchEvents(b.Events + b.Warmup)
 	chunks := make(chan []dueEvent)
 	if b.Rate > 0 {
 		// At an offered load a batch is what has come, up to BatchSize,
@@ -472,7 +491,9 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 			msgs[j].SetContext(ctx)
 		}
 		start := time.Now()
-		c.started(start)
+		if !chunk[len(chunk)-1].warmup {
+			c.started(start)
+		}
 		errs := m.ProcessBatch(ctx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
 			evs := make([]orderevents.Confirmed, len(claimed))
 			for j, msg := range claimed {
@@ -489,7 +510,11 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 			}
 		}
 		for _, ev := range chunk {
-			c.finished(time.Since(ev.since(start)))
+			if ev.warmup {
+				c.warmedUp()
+			} else {
+				c.finished(time.Since(ev.since(start)))
+			}
 		}
 	}
 	return nil
@@ -567,6 +592,7 @@ func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *cl
 	var mu sync.Mutex
 	starts := map[partitionOffset]time.Time{}   // delivered, not yet committed
 	produced := map[partitionOffset]time.Time{} // --split: the same events' production
+	warm := map[partitionOffset]bool{}          // --warmup-events: delivered warm-up events
 	var events []*eventTimes                    // --split: the committed ones
 	var bad error                               // --split: an event without its production time
 	if b.Split {
@@ -596,11 +622,18 @@ func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *cl
 	hooks := pipeline.Hooks{
 		OnDelivered: func(d pipeline.Delivery) {
 			start := now()
-			c.started(start)
 			if !keep {
+				c.started(start)
 				return
 			}
 			at := partitionOffset{d.Partition, d.Offset}
+			if b.Warmup > 0 && d.Headers[warmupHeader] != "" {
+				mu.Lock()
+				warm[at] = true
+				mu.Unlock()
+				return
+			}
+			c.started(start)
 			var from time.Time
 			var err error
 			if b.Split {
@@ -629,6 +662,12 @@ func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *cl
 				offset, _ := strconv.ParseInt(o, 10, 64)
 				at := partitionOffset{int32(partition), offset}
 				mu.Lock()
+				if warm[at] {
+					delete(warm, at)
+					mu.Unlock()
+					c.warmedUp()
+					return
+				}
 				start = starts[at]
 				delete(starts, at)
 				if b.Split {
@@ -713,11 +752,13 @@ func publishKeyed(brokers []string, version sarama.KafkaVersion, topic string, p
 	return nil
 }
 
-// publishAtRate publishes events events to topic at rate a second,
-// evenly (a batch every 10 ms), each made as it is sent: its id's time, and
-// its producedHeader to the nanosecond, say when it was produced, from which
-// the consumer measures its latency.
-func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, events, rate int) error {
+// publishAtRate publishes warmup and then events events to topic at rate a
+// second, evenly (a batch every 10 ms), each made as it is sent: its id's
+// time, and its producedHeader to the nanosecond, say when it was produced,
+// from which the consumer measures its latency. The first warmup carry
+// warmupHeader: the consumer leaves them out of its figures.
+func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, warmup, events, rate int) error {
+	events += warmup
 	cfg := pipeline.PublisherSaramaConfig(version)
 	cfg.Producer.Compression = sarama.CompressionNone
 	producer, err := sarama.NewSyncProducer(brokers, cfg)
@@ -733,6 +774,9 @@ func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVe
 		for ; sent < due; sent++ {
 			ev := benchEvent(sent)
 			produced := []sarama.RecordHeader{{Key: []byte(producedHeader), Value: strconv.AppendInt(nil, time.Now().UnixNano(), 10)}}
+			if sent < warmup {
+				produced = append(produced, sarama.RecordHeader{Key: []byte(warmupHeader), Value: []byte("1")})
+			}
 			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(ev), Headers: produced})
 		}
 		if len(msgs) > 0 {

@@ -37,6 +37,10 @@ import (
 // the bench's producer made it, in nanoseconds since the Unix epoch.
 const producedHeader = "once-bench-produced"
 
+// warmupHeader marks an offered load's warm-up event: consumed like the
+// others, left out of the figures.
+const warmupHeader = "once-bench-warmup"
+
 // splitParts name the parts of an event's latency, in order.
 var splitParts = []string{
 	"production -> broker's append",

@@ -48,6 +48,7 @@ type benchCmd struct {
 	Only         []string          `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer,W,WB,WH" help:"Run only these variants (default: all; W, WB and WH with --handler-latency)."`
 	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9, and where the time went), and L2 and L2B as events are handed to the claim at the rate (the database's own latency at that load); empty for none."`
 	RateEvents   int               `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
+	RateWarmup   time.Duration     `name:"rate-warmup" default:"2s" help:"How long each offered-load run produces events before the measured ones, at the same rate, consumed like them and left out of the figures: a fresh topic's first appends and fetches, and a new process's first connections, are not what a running service waits. 0 for none."`
 	SplitFile    string            `name:"split-file" type:"path" help:"Write each offered-load event's instants and the parts of its latency to FILE, a JSON line each, a file per measurement: FILE with the variant and the rate before its extension (split.jsonl: split.P.500.jsonl)."`
 	Plot         string            `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png), and one of the waiting handler's events/s by N beside it, named with -wait before the extension."`
 	CPUProfile   string            `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
@@ -64,8 +65,8 @@ func (b *benchCmd) Validate() error {
 	if b.Rounds < 1 {
 		return fmt.Errorf("--rounds must be at least 1")
 	}
-	if slices.ContainsFunc(b.Rates, func(r int) bool { return r < 1 }) || b.RateEvents < 100 {
-		return fmt.Errorf("every --rate must be at least 1 event/s, and --rate-events at least 100")
+	if slices.ContainsFunc(b.Rates, func(r int) bool { return r < 1 }) || b.RateEvents < 100 || b.RateWarmup < 0 {
+		return fmt.Errorf("every --rate must be at least 1 event/s, --rate-events at least 100, and --rate-warmup not negative")
 	}
 	if ext := filepath.Ext(b.Plot); b.Plot != "" && ext != ".svg" && ext != ".png" {
 		return fmt.Errorf("--plot %s: want a .svg or .png file", b.Plot)
@@ -236,7 +237,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
 			groups = append(groups, group)
 			f, err := b.child(ctx, d, variant, "", group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), started,
-				append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate))...)
+				append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate), "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))...)
 			if err != nil {
 				line.Done()
 				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
@@ -415,6 +416,11 @@ func printSplit(w io.Writer, offered []rateRow) {
 	t.Flush()
 }
 
+// warmupEvents is how many events --rate-warmup is at rate.
+func (b *benchCmd) warmupEvents(rate int) int {
+	return int(b.RateWarmup.Seconds() * float64(rate))
+}
+
 // rateRow is one offered load's figures.
 type rateRow struct {
 	rate           int
@@ -433,7 +439,7 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	childCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		extra = append(extra, "--from-produce", "--split")
+		extra = append(extra, "--from-produce", "--split", "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))
 		if b.SplitFile != "" {
 			ext := filepath.Ext(b.SplitFile)
 			extra = append(extra, "--split-file", fmt.Sprintf("%s.%s.%d%s", strings.TrimSuffix(b.SplitFile, ext), variant, rate, ext))
@@ -456,7 +462,7 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 			return benchFigures{}, fmt.Errorf("the consumer did not join group %s within a minute", group)
 		}
 	}
-	if err := publishAtRate(ctx, b.Brokers, version, topic, b.RateEvents, rate); err != nil {
+	if err := publishAtRate(ctx, b.Brokers, version, topic, b.warmupEvents(rate), b.RateEvents, rate); err != nil {
 		return benchFigures{}, err
 	}
 	r := <-done
