@@ -103,6 +103,10 @@ func (b benchPlot) save(path string) error {
 				return err
 			}
 		}
+		// Room above the lines for the legend: eight entries would hide
+		// the p99s otherwise.
+		lat.Y.Max *= 8
+		lat.Legend.Left, lat.Legend.Top = true, true
 		charts = append(charts, lat)
 	}
 	if len(charts) == 0 {
