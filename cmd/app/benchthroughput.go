@@ -203,51 +203,41 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	var offered []rateRow
 	for _, rate := range b.Rates {
 		row := rateRow{rate: rate}
-		for _, variant := range []string{"P", "PB"} {
-			// A topic per measurement: a group reads from the oldest
-			// offset, and must not read the events another one was
-			// measured with.
-			// Its records carry the broker's append time: the split's.
-			topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
-			if err := logAppendTimeTopic(admin, topic, b.Partitions); err != nil {
-				return err
-			}
-			topics = append(topics, topic)
-			line.Set("offered load: %s at %d events/s", variant, rate)
-			measurements++
-			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
-			groups = append(groups, group)
-			f, err := b.atRate(ctx, d, admin, version, variant, topic, group, rate, started, b.profileArgs(variant, measurements)...)
-			if err != nil {
-				line.Done()
-				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
-				f = benchFigures{Variant: variant, Skipped: err.Error()}
-			}
-			if variant == "P" {
-				row.p = f
-			} else {
-				row.pb = f
-			}
-		}
-		// The database's own latency at the same load beside them: the
+		// P and PB read what the bench produces at the rate; beside them
+		// the database's own latency at the same load, L2 and L2B: the
 		// claim and the upsert handed over at the rate, no Kafka.
-		for _, variant := range []string{"L2", "L2B"} {
+		for _, v := range []struct {
+			name string
+			f    *benchFigures
+		}{{"P", &row.p}, {"PB", &row.pb}, {"L2", &row.l2}, {"L2B", &row.l2b}} {
+			variant, fromKafka := v.name, v.name[0] == 'P'
 			line.Set("offered load: %s at %d events/s", variant, rate)
 			measurements++
 			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
 			groups = append(groups, group)
-			f, err := b.child(ctx, d, variant, "", group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), started,
-				append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate), "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))...)
+			var f benchFigures
+			var err error
+			if fromKafka {
+				// A topic per measurement: a group reads from the oldest
+				// offset, and must not read the events another one was
+				// measured with. Its records carry the broker's append
+				// time: the split's.
+				topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
+				if err := logAppendTimeTopic(admin, topic, b.Partitions); err != nil {
+					return err
+				}
+				topics = append(topics, topic)
+				f, err = b.atRate(ctx, d, admin, version, variant, topic, group, rate, started, b.profileArgs(variant, measurements)...)
+			} else {
+				f, err = b.child(ctx, d, variant, "", group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), started,
+					append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate), "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))...)
+			}
 			if err != nil {
 				line.Done()
 				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
 				f = benchFigures{Variant: variant, Skipped: err.Error()}
 			}
-			if variant == "L2" {
-				row.l2 = f
-			} else {
-				row.l2b = f
-			}
+			*v.f = f
 		}
 		offered = append(offered, row)
 	}
