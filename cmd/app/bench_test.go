@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -111,6 +112,34 @@ func TestABenchMeasurementClearsItsRowsOnlyWhenAsked(t *testing.T) {
 	}
 	if claims, _ := benchRows(t, pool, byHand); claims != 200 {
 		t.Fatalf("another group's claims: %d, want its 200 untouched", claims)
+	}
+}
+
+// L2 and L2B at an offered load (bench-run --rate) are handed their
+// events at the rate: the run cannot end before its last event was due,
+// and every event but the warm-up's is measured. The rate is refused for a
+// variant that reads Kafka, whose rate is its producer's.
+func TestTheDatabasesOwnLatencyIsMeasuredAtTheOfferedRate(t *testing.T) {
+	pool := reftest.Postgres(t)
+	t.Setenv("ONCE_TEST_BINARY_IS_APP", "1")
+	const rate, events, warmup = 400, 200, 100
+	for _, variant := range []string{"L2", "L2B"} {
+		group := "bench-test-" + uuid.NewString()[:8]
+		out, err := runApp(t, "bench-run", "--variant", variant, "--group", group, "--events", fmt.Sprint(events), "--rate", fmt.Sprint(rate), "--warmup-events", fmt.Sprint(warmup),
+			"--database-url", pool.Config().ConnString(), "--clear-after", "--claims-since", time.Now().Add(-time.Minute).Format(time.RFC3339))
+		if err != nil {
+			t.Fatalf("%s: app bench-run: %v\n%s", variant, err, out)
+		}
+		var f benchFigures
+		if err := json.NewDecoder(strings.NewReader(out[max(strings.Index(out, "{"), 0):])).Decode(&f); err != nil {
+			t.Fatalf("%s: %v\n%s", variant, err, out)
+		}
+		if due := float64(events-1) / rate; f.Events != events || f.Seconds < due || f.P50ms <= 0 || f.P99ms < f.P50ms {
+			t.Errorf("%s at %d events/s after %d warm-up events: %+v; want %d events measured over at least %.3fs (from the first measured one's due time to the last one's), p50 > 0, p99 >= p50", variant, rate, warmup, f, events, due)
+		}
+	}
+	if out, err := runApp(t, "bench-run", "--variant", "P", "--group", "g", "--events", "1", "--rate", "10", "--database-url", pool.Config().ConnString()); err == nil || !strings.Contains(err.Error(), "--rate 10") {
+		t.Errorf("--rate with P: %v\n%s; want it refused naming --rate", err, out)
 	}
 }
 

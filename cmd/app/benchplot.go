@@ -18,7 +18,8 @@ import (
 )
 
 // benchPlot is what app bench --plot draws: throughput and p99 by
-// partitions (the sweep), and latency by offered load, for P and PB.
+// partitions (the sweep), and latency (p50, p99) by offered load, for P
+// and PB, with the database's own (L2, L2B) at the same loads.
 type benchPlot struct {
 	sweep   []plotSweep
 	offered []plotRate
@@ -30,13 +31,15 @@ type plotSweep struct {
 }
 
 type plotRate struct {
-	rate  int
-	p, pb benchFigures
+	rate           int
+	p, pb, l2, l2b benchFigures
 }
 
 var (
-	colorP  = color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}
-	colorPB = color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff}
+	colorP   = color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff}
+	colorPB  = color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff}
+	colorL2  = color.RGBA{R: 0x7f, G: 0x7f, B: 0x7f, A: 0xff}
+	colorL2B = color.RGBA{R: 0xbc, G: 0xbd, B: 0x22, A: 0xff}
 )
 
 // save draws the three charts side by side into path, as SVG or PNG by its
@@ -72,12 +75,18 @@ func (b benchPlot) save(path string) error {
 	}
 	if len(b.offered) > 0 {
 		lat := plot.New()
-		lat.Title.Text, lat.X.Label.Text, lat.Y.Label.Text = "Latency by offered load", "offered events/s", "ms"
+		lat.Title.Text, lat.X.Label.Text, lat.Y.Label.Text = "Latency by offered load", "offered events/s", "ms (log)"
+		// p50s of a few ms beside p99s of tens: a linear axis flattens
+		// the first.
+		lat.Y.Scale, lat.Y.Tick.Marker = plot.LogScale{}, plot.LogTicks{Prec: -1}
 		for _, v := range []struct {
 			name string
 			c    color.Color
 			pick func(plotRate) benchFigures
-		}{{"P", colorP, func(r plotRate) benchFigures { return r.p }}, {"PB", colorPB, func(r plotRate) benchFigures { return r.pb }}} {
+		}{{"P", colorP, func(r plotRate) benchFigures { return r.p }}, {"PB", colorPB, func(r plotRate) benchFigures { return r.pb }},
+			// The database's own latency at the same load: what is left
+			// to remove is between it and P, PB.
+			{"L2", colorL2, func(r plotRate) benchFigures { return r.l2 }}, {"L2B", colorL2B, func(r plotRate) benchFigures { return r.l2b }}} {
 			var p50, p99 plotter.XYs
 			for _, r := range b.offered {
 				f := v.pick(r)
@@ -94,6 +103,10 @@ func (b benchPlot) save(path string) error {
 				return err
 			}
 		}
+		// Room above the lines for the legend: eight entries would hide
+		// the p99s otherwise.
+		lat.Y.Max *= 8
+		lat.Legend.Left, lat.Legend.Top = true, true
 		charts = append(charts, lat)
 	}
 	if len(charts) == 0 {

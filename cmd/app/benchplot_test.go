@@ -15,7 +15,7 @@ func TestBenchPlotDrawsTheSweepAndTheOfferedLoads(t *testing.T) {
 	}
 	b := benchPlot{
 		sweep:   []plotSweep{{1, f(900, 3), f(5000, 9)}, {12, f(3000, 8), f(25000, 40)}},
-		offered: []plotRate{{500, f(500, 4), f(500, 6)}, {1000, f(1000, 5), f(1000, 9)}},
+		offered: []plotRate{{500, f(500, 4), f(500, 6), f(500, 2), f(500, 3)}, {1000, f(1000, 5), f(1000, 9), f(1000, 2.5), f(1000, 4)}},
 	}
 	dir := t.TempDir()
 	svg := filepath.Join(dir, "bench.svg")
@@ -23,7 +23,7 @@ func TestBenchPlotDrawsTheSweepAndTheOfferedLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, _ := os.ReadFile(svg)
-	for _, want := range []string{"Throughput by partitions", "p99 latency by partitions", "Latency by offered load", "PB p99"} {
+	for _, want := range []string{"Throughput by partitions", "p99 latency by partitions", "Latency by offered load", "PB p99", "L2 p99", "L2B p50"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("the SVG has no %q", want)
 		}

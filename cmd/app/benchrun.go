@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -48,12 +49,20 @@ type benchRunCmd struct {
 	BatchConc    int        `name:"batch-concurrency" default:"2" help:"Batches at once, in PB and L2B."`
 	ClearAfter   bool       `name:"clear-after" help:"Delete the group's claims and the generated events' analytics rows when done (app bench sets it; the group must be one of app bench's own)."`
 	ClaimsSince  time.Time  `name:"claims-since" help:"With --clear-after: the claims to delete were made after this time (RFC 3339)."`
+	Warmup       int        `name:"warmup-events" help:"Events before the measured ones that warm the run up and are left out of its figures: at an offered load, those the producer marked with its once-bench-warmup header (P, PB), or the first ones handed over (L2, L2B)."`
+	Rate         int        `name:"rate" help:"L2, L2B: hand the events to the claim at this rate (events/s) instead of all at once, each latency from the instant it was due: the database's own latency at an offered load. 0: all at once."`
 	FromProduce  bool       `name:"from-produce" help:"P, PB, PBW: measure each event's latency from when it was produced (its event id's time, to the millisecond), not from when it entered the group's chain."`
+	Split        bool       `name:"split" help:"With --from-produce: split each event's latency into production to the broker's append, the append to delivery to the group, delivery to the claim's commit, and the claim's commit to the offset's commit; latency from the producer's once-bench-produced header (to the ns), not the event id. The topic's message.timestamp.type must be LogAppendTime (app bench's offered-load runs make both)."`
+	SplitFile    string     `name:"split-file" type:"path" help:"With --split: write each event's instants and the parts of its latency to this file, a JSON line each."`
 	CPUProfile   string     `name:"cpuprofile" help:"Write a CPU profile of the measurement to this file."`
 	MemProfile   string     `name:"memprofile" help:"Write an allocation profile of the whole process to this file: every allocation is recorded, so the run is slower and its figures are not comparable."`
 	Wait         waitFlags  `embed:""`
 
 	hold *holdFigures // WH's, once measured
+	// split: the parts' figures, once measured (--split); splitCPU: the
+	// CPU time spent reading them, not the measurement's.
+	split    []splitFigure
+	splitCPU time.Duration
 	// W, WB, WH: the mean time in the handler, and in a provider's call
 	// (WB), once measured.
 	inHandler, inCall float64
@@ -74,6 +83,9 @@ type benchFigures struct {
 	// Filled in by app bench.
 	PeakRSSKiB int64  `json:"peak_rss_kib,omitempty"`
 	Skipped    string `json:"skipped,omitempty"`
+	// Split is where the time of an offered-load run's events went
+	// (--split): each part's percentiles, in splitParts' order.
+	Split []splitFigure `json:"split,omitempty"`
 	// Hold is WH's account of the held key and the others.
 	Hold *holdFigures `json:"hold,omitempty"`
 	// W, WB, WH: the mean time in the handler, and in one call to the
@@ -118,6 +130,14 @@ func (c *clock) finished(latency time.Duration) {
 	c.last = time.Now()
 	c.latencies = append(c.latencies, latency)
 	c.mu.Unlock()
+	c.count()
+}
+
+// warmedUp counts a warm-up event done: the run waits for it, the figures
+// leave it out.
+func (c *clock) warmedUp() { c.count() }
+
+func (c *clock) count() {
 	if c.done.Add(1) == c.want {
 		close(c.all)
 	}
@@ -126,14 +146,25 @@ func (c *clock) finished(latency time.Duration) {
 func (c *clock) figures(variant string) benchFigures {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	slices.Sort(c.latencies)
-	pct := func(p float64) float64 {
-		if len(c.latencies) == 0 {
-			return 0
-		}
-		return float64(c.latencies[min(len(c.latencies)-1, int(p*float64(len(c.latencies))))].Microseconds()) / 1000
+	f := benchFigures{Variant: variant, Events: len(c.latencies), Seconds: c.last.Sub(c.first).Seconds()}
+	f.P50ms, f.P99ms, f.P999ms = percentiles(c.latencies)
+	return f
+}
+
+func (b *benchRunCmd) Validate() error {
+	if b.Rate < 0 || b.Rate > 0 && b.Variant != "L2" && b.Variant != "L2B" {
+		return fmt.Errorf("--rate %d: a rate of at least 1 event/s, for --variant L2 or L2B only", b.Rate)
 	}
-	return benchFigures{Variant: variant, Events: int(c.want), Seconds: c.last.Sub(c.first).Seconds(), P50ms: pct(0.50), P99ms: pct(0.99), P999ms: pct(0.999)}
+	if b.Split && (!b.FromProduce || b.Variant[0] != 'P') {
+		return fmt.Errorf("--split needs --from-produce and --variant P, PB or PBW")
+	}
+	if b.Warmup < 0 || b.Warmup > 0 && b.Rate == 0 && !b.Split {
+		return fmt.Errorf("--warmup-events %d: at an offered load only (--rate with L2 or L2B, --split with P or PB)", b.Warmup)
+	}
+	if b.SplitFile != "" && !b.Split {
+		return fmt.Errorf("--split-file needs --split")
+	}
+	return splitFileDir(b.SplitFile)
 }
 
 func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
@@ -153,7 +184,7 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 		return err
 	}
 	defer pool.Close()
-	c := newClock(b.Events)
+	c := newClock(b.Events + b.Warmup)
 	line := progress.New(d.stderr)
 	defer line.Done()
 	label := b.Variant
@@ -211,9 +242,10 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	if err != nil {
 		return err
 	}
-	cpu := cpuTime() - cpuBefore
+	cpu := cpuTime() - cpuBefore - b.splitCPU
 	line.Done()
 	f := c.figures(b.Variant)
+	f.Split = b.split
 	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
 	f.Hold = b.hold
@@ -315,32 +347,76 @@ func (b *benchRunCmd) direct(ctx context.Context, pool *pgxpool.Pool, c *clock, 
 			return nil, pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return analyticsUpsert(msg.Context(), tx, msg.Payload) })
 		}
 	}
-	work := make(chan []byte)
+	work := make(chan dueEvent)
 	var failed atomic.Value
 	var wg sync.WaitGroup
 	for range b.Concurrency {
 		wg.Go(func() {
-			for p := range work {
+			for ev := range work {
 				start := time.Now()
-				c.started(start)
-				msg := message.NewMessage(watermill.NewUUID(), p)
+				if !ev.warmup {
+					c.started(start)
+				}
+				msg := message.NewMessage(watermill.NewUUID(), ev.payload)
 				msg.SetContext(ctx)
 				if _, err := h(msg); err != nil {
 					failed.Store(err)
 				}
-				c.finished(time.Since(start))
+				if ev.warmup {
+					c.warmedUp()
+				} else {
+					c.finished(time.Since(ev.since(start)))
+				}
 			}
 		})
 	}
-	for _, p := range benchEvents(b.Events) {
-		work <- p
-	}
-	close(work)
+	b.feed(ctx, benchEvents(b.Events+b.Warmup), work)
 	wg.Wait()
 	if err, _ := failed.Load().(error); err != nil {
 		return fmt.Errorf("bench L2: %w", err)
 	}
 	return nil
+}
+
+// dueEvent is an event handed to L2 or L2B, with the instant it was due
+// at an offered load (zero: all at once).
+type dueEvent struct {
+	payload []byte
+	due     time.Time
+	warmup  bool // not measured: --warmup-events
+}
+
+// since is where the event's latency starts: when it was due, at an
+// offered load, else when its processing started.
+func (ev dueEvent) since(start time.Time) time.Time {
+	if ev.due.IsZero() {
+		return start
+	}
+	return ev.due
+}
+
+// feed hands payloads to work, all at once or, with --rate, each at its
+// instant, evenly spaced (time.Sleep, not a ticker, so that a late wake-up
+// sends what has fallen due at once instead of drifting), and closes it.
+// An event's latency starts at its instant: the wait for a free goroutine
+// counts, as a delivered message's wait for its turn does.
+func (b *benchRunCmd) feed(ctx context.Context, payloads [][]byte, work chan<- dueEvent) {
+	defer close(work)
+	start := time.Now()
+	for i, p := range payloads {
+		ev := dueEvent{payload: p, warmup: i < b.Warmup}
+		if b.Rate > 0 {
+			ev.due = start.Add(time.Duration(float64(i) / float64(b.Rate) * float64(time.Second)))
+			if wait := time.Until(ev.due); wait > 0 {
+				time.Sleep(wait)
+			}
+		}
+		select {
+		case work <- ev:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // directBatched (L2B) is L2 with the group commit: BatchSize events per
@@ -350,14 +426,45 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	if err != nil {
 		return err
 	}
-	payloads := benchEvents(b.Events)
-	chunks := make(chan [][]byte)
-	go func() {
-		defer close(chunks)
-		for i := 0; i < len(payloads); i += b.BatchSize {
-			chunks <- payloads[i:min(i+b.BatchSize, len(payloads))]
-		}
-	}()
+	payloads := benchEvents(b.Events + b.Warmup)
+	chunks := make(chan []dueEvent)
+	if b.Rate > 0 {
+		// At an offered load a batch is what has come, up to BatchSize,
+		// as a batched group's is: the first event waited for, the others
+		// taken if they are there.
+		arriving := make(chan dueEvent, len(payloads))
+		go b.feed(ctx, payloads, arriving)
+		go func() {
+			defer close(chunks)
+			for first := range arriving {
+				chunk := []dueEvent{first}
+			more:
+				for len(chunk) < b.BatchSize {
+					select {
+					case ev, ok := <-arriving:
+						if !ok {
+							break more
+						}
+						chunk = append(chunk, ev)
+					default:
+						break more
+					}
+				}
+				chunks <- chunk
+			}
+		}()
+	} else {
+		go func() {
+			defer close(chunks)
+			for i := 0; i < len(payloads); i += b.BatchSize {
+				var chunk []dueEvent
+				for _, p := range payloads[i:min(i+b.BatchSize, len(payloads))] {
+					chunk = append(chunk, dueEvent{payload: p})
+				}
+				chunks <- chunk
+			}
+		}()
+	}
 	var failed atomic.Value
 	var wg sync.WaitGroup
 	for range b.BatchConc {
@@ -376,15 +483,17 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	return nil
 }
 
-func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c *clock, chunk [][]byte) error {
+func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c *clock, chunk []dueEvent) error {
 	{
 		msgs := make([]*message.Message, len(chunk))
-		for j, p := range chunk {
-			msgs[j] = message.NewMessage(watermill.NewUUID(), p)
+		for j, ev := range chunk {
+			msgs[j] = message.NewMessage(watermill.NewUUID(), ev.payload)
 			msgs[j].SetContext(ctx)
 		}
 		start := time.Now()
-		c.started(start)
+		if !chunk[len(chunk)-1].warmup {
+			c.started(start)
+		}
 		errs := m.ProcessBatch(ctx, msgs, func(ctx context.Context, tx pgx.Tx, claimed []*message.Message) error {
 			evs := make([]orderevents.Confirmed, len(claimed))
 			for j, msg := range claimed {
@@ -400,8 +509,12 @@ func (b *benchRunCmd) oneBatch(ctx context.Context, m *idempotency.Middleware, c
 				return fmt.Errorf("bench L2B: %w", err)
 			}
 		}
-		for range chunk {
-			c.finished(time.Since(start))
+		for _, ev := range chunk {
+			if ev.warmup {
+				c.warmedUp()
+			} else {
+				c.finished(time.Since(ev.since(start)))
+			}
 		}
 	}
 	return nil
@@ -431,15 +544,20 @@ func (b *benchRunCmd) bare(ctx context.Context, pool *pgxpool.Pool, c *clock, lo
 		c.finished(time.Since(start))
 		return nil
 	})
-	return b.runRouter(ctx, c, func(ctx context.Context) error { return router.Run(ctx) })
+	return b.runRouter(ctx, c, func(ctx context.Context) error { return router.Run(ctx) }, nil)
 }
 
-func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.Context) error) error {
+// runRouter runs run until the clock has every event, then, if every event
+// came, whenDone while it still runs, and stops it.
+func (b *benchRunCmd) runRouter(ctx context.Context, c *clock, run func(context.Context) error, whenDone func() error) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- run(runCtx) }()
 	waitErr := b.wait(ctx, c)
+	if waitErr == nil && whenDone != nil {
+		waitErr = whenDone()
+	}
 	cancel()
 	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
 		return err
@@ -466,44 +584,102 @@ func (b *benchRunCmd) pipelined(ctx context.Context, pool *pgxpool.Pool, c *cloc
 
 // runPipeline runs cfg's pipeline (its topics and groups, and hooks of its
 // own if any) until the clock has every event, timing each from its
-// delivery to its group to its commit.
+// delivery to its group (or its production, --from-produce) to its commit;
+// with --split, where each event's time went.
 func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *clock, log *slog.Logger, cfg pipeline.Config) error {
 	// Measured with hooks, not an Observe middleware: one would take a
 	// batched group off its direct path (see pipeline.Batch).
-	type at struct {
-		partition int32
-		offset    int64
-	}
 	var mu sync.Mutex
-	starts := map[at]time.Time{}
+	starts := map[partitionOffset]time.Time{}   // delivered, not yet committed
+	produced := map[partitionOffset]time.Time{} // --split: the same events' production
+	warm := map[partitionOffset]bool{}          // --warmup-events: delivered warm-up events
+	var events []*eventTimes                    // --split: the committed ones
+	var bad error                               // --split: an event without its production time
+	if b.Split {
+		events = make([]*eventTimes, 0, b.Events)
+		version, err := pipeline.ParseKafkaVersion(b.KafkaVersion)
+		if err != nil {
+			return fmt.Errorf("--kafka-version: %w", err)
+		}
+		admin, err := sarama.NewClusterAdmin(b.Brokers, pipeline.PublisherSaramaConfig(version))
+		if err != nil {
+			return fmt.Errorf("--kafka-brokers: %w", err)
+		}
+		err = checkLogAppendTime(admin, b.Topic)
+		admin.Close()
+		if err != nil {
+			return err
+		}
+	}
+	keep := !b.FromProduce || b.Split
+	// The split's instants are wall-clock times (Round(0) drops the
+	// monotonic reading): the producer's and the broker's are, on the same
+	// clock, and the parts then add up exactly.
+	now := time.Now
+	if b.Split {
+		now = func() time.Time { return time.Now().Round(0) }
+	}
 	hooks := pipeline.Hooks{
 		OnDelivered: func(d pipeline.Delivery) {
-			start := time.Now()
-			c.started(start)
-			if !b.FromProduce {
-				mu.Lock()
-				starts[at{d.Partition, d.Offset}] = start
-				mu.Unlock()
+			start := now()
+			if !keep {
+				c.started(start)
+				return
 			}
+			at := partitionOffset{d.Partition, d.Offset}
+			if b.Warmup > 0 && d.Headers[warmupHeader] != "" {
+				mu.Lock()
+				warm[at] = true
+				mu.Unlock()
+				return
+			}
+			c.started(start)
+			var from time.Time
+			var err error
+			if b.Split {
+				from, err = producedAt(d.Headers)
+			}
+			mu.Lock()
+			starts[at] = start
+			if b.Split {
+				produced[at] = from
+				bad = cmp.Or(bad, err)
+			}
+			mu.Unlock()
 		},
 		OnResult: func(r idempotency.Result) {
 			if r.Outcome != idempotency.Processed {
 				return
 			}
+			done := now()
 			// Kafka's queueing counts too: what a payments team waits.
 			start := idempotency.IDTime(r.EventID)
-			if !b.FromProduce {
+			if keep {
 				// The pipeline's message UUID is topic/partition/offset.
 				rest, o, _ := cutLast(r.MessageUUID, "/")
 				_, p, _ := cutLast(rest, "/")
 				partition, _ := strconv.ParseInt(p, 10, 32)
 				offset, _ := strconv.ParseInt(o, 10, 64)
+				at := partitionOffset{int32(partition), offset}
 				mu.Lock()
-				start = starts[at{int32(partition), offset}]
-				delete(starts, at{int32(partition), offset})
+				if warm[at] {
+					delete(warm, at)
+					mu.Unlock()
+					c.warmedUp()
+					return
+				}
+				start = starts[at]
+				delete(starts, at)
+				if b.Split {
+					e := &eventTimes{Partition: at.partition, Offset: at.offset, Produced: produced[at], Delivered: start, Committed: done}
+					delete(produced, at)
+					start = e.Produced
+					e.Latency = done.Sub(start)
+					events = append(events, e)
+				}
 				mu.Unlock()
 			}
-			c.finished(time.Since(start))
+			c.finished(done.Sub(start))
 		},
 	}
 	cfg.Brokers, cfg.KafkaVersion, cfg.DB, cfg.Logger = b.Brokers, b.KafkaVersion, pool, log
@@ -512,7 +688,30 @@ func (b *benchRunCmd) runPipeline(ctx context.Context, pool *pgxpool.Pool, c *cl
 	if err != nil {
 		return err
 	}
-	return b.runRouter(ctx, c, p.Run)
+	var whenDone func() error
+	if b.Split {
+		whenDone = func() error {
+			mu.Lock()
+			done, err := slices.Clone(events), bad
+			mu.Unlock()
+			if err != nil {
+				return fmt.Errorf("--split: %w", err)
+			}
+			before := cpuTime()
+			defer func() { b.splitCPU = cpuTime() - before }()
+			if err := b.splitTimes(ctx, done); err != nil {
+				return err
+			}
+			b.split = splitFigures(done)
+			if b.SplitFile != "" {
+				if err := writeSplitFile(b.SplitFile, done); err != nil {
+					return fmt.Errorf("--split-file: %w", err)
+				}
+			}
+			return nil
+		}
+	}
+	return b.runRouter(ctx, c, p.Run, whenDone)
 }
 
 // cutLast is strings.Cut at the last sep.
@@ -553,10 +752,13 @@ func publishKeyed(brokers []string, version sarama.KafkaVersion, topic string, p
 	return nil
 }
 
-// publishAtRate publishes events events to topic at rate a second,
-// evenly (a batch every 10 ms), each made as it is sent: its id's time is
-// when it was produced, from which the consumer measures its latency.
-func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, events, rate int) error {
+// publishAtRate publishes warmup and then events events to topic at rate a
+// second, evenly (a batch every 10 ms), each made as it is sent: its id's
+// time, and its producedHeader to the nanosecond, say when it was produced,
+// from which the consumer measures its latency. The first warmup carry
+// warmupHeader: the consumer leaves them out of its figures.
+func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, warmup, events, rate int) error {
+	events += warmup
 	cfg := pipeline.PublisherSaramaConfig(version)
 	cfg.Producer.Compression = sarama.CompressionNone
 	producer, err := sarama.NewSyncProducer(brokers, cfg)
@@ -570,7 +772,12 @@ func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVe
 		due := min(events, int(float64(rate)*time.Since(start).Seconds())+1)
 		var msgs []*sarama.ProducerMessage
 		for ; sent < due; sent++ {
-			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(benchEvent(sent))})
+			ev := benchEvent(sent)
+			produced := []sarama.RecordHeader{{Key: []byte(producedHeader), Value: strconv.AppendInt(nil, time.Now().UnixNano(), 10)}}
+			if sent < warmup {
+				produced = append(produced, sarama.RecordHeader{Key: []byte(warmupHeader), Value: []byte("1")})
+			}
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(ev), Headers: produced})
 		}
 		if len(msgs) > 0 {
 			if err := producer.SendMessages(msgs); err != nil {

@@ -46,8 +46,10 @@ type benchCmd struct {
 	KeepTopics   bool              `name:"keep-topics" help:"Keep the run's topics (to measure again with app bench-run)."`
 	Rounds       int               `name:"rounds" default:"1" help:"Times the main table is measured, variants interleaved; each variant's median round is reported."`
 	Only         []string          `name:"only" sep:"," enum:"L1,L2,L2U,L2B,B,P,PB,PBW,Peer,W,WB,WH" help:"Run only these variants (default: all; W, WB and WH with --handler-latency)."`
-	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9); empty for none."`
+	Rates        []int             `name:"rate" sep:"," help:"Offered loads, events/s, at which P and PB are measured as events are produced (p50/p99/p99.9, and where the time went), and L2 and L2B as events are handed to the claim at the rate (the database's own latency at that load); empty for none."`
 	RateEvents   int               `name:"rate-events" default:"10000" help:"Events each offered-load run produces."`
+	RateWarmup   time.Duration     `name:"rate-warmup" default:"2s" help:"How long each offered-load run produces events before the measured ones, at the same rate, consumed like them and left out of the figures: a fresh topic's first appends and fetches, and a new process's first connections, are not what a running service waits. 0 for none."`
+	SplitFile    string            `name:"split-file" type:"path" help:"Write each offered-load event's instants and the parts of its latency to FILE, a JSON line each, a file per measurement: FILE with the variant and the rate before its extension (split.jsonl: split.P.500.jsonl)."`
 	Plot         string            `name:"plot" type:"path" help:"Write a picture of the sweep and the offered loads to this file (.svg or .png), and one of the waiting handler's events/s by N beside it, named with -wait before the extension."`
 	CPUProfile   string            `name:"cpuprofile" type:"path" help:"Write a CPU profile of every measuring process: FILE with the measurement's variant and number before its extension (cpu.pprof: cpu.PB.3.pprof)."`
 	Wait         benchWaitSettings `embed:""`
@@ -63,14 +65,17 @@ func (b *benchCmd) Validate() error {
 	if b.Rounds < 1 {
 		return fmt.Errorf("--rounds must be at least 1")
 	}
-	if slices.ContainsFunc(b.Rates, func(r int) bool { return r < 1 }) || b.RateEvents < 100 {
-		return fmt.Errorf("every --rate must be at least 1 event/s, and --rate-events at least 100")
+	if slices.ContainsFunc(b.Rates, func(r int) bool { return r < 1 }) || b.RateEvents < 100 || b.RateWarmup < 0 {
+		return fmt.Errorf("every --rate must be at least 1 event/s, --rate-events at least 100, and --rate-warmup not negative")
 	}
 	if ext := filepath.Ext(b.Plot); b.Plot != "" && ext != ".svg" && ext != ".png" {
 		return fmt.Errorf("--plot %s: want a .svg or .png file", b.Plot)
 	}
 	if b.BatchSize < 1 {
 		return fmt.Errorf("--batch-size must be at least 1")
+	}
+	if err := splitFileDir(b.SplitFile); err != nil {
+		return err
 	}
 	return b.Wait.validate(b.Only)
 }
@@ -198,30 +203,41 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	var offered []rateRow
 	for _, rate := range b.Rates {
 		row := rateRow{rate: rate}
-		for _, variant := range []string{"P", "PB"} {
-			// A topic per measurement: a group reads from the oldest
-			// offset, and must not read the events another one was
-			// measured with.
-			topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
-			if err := pipeline.EnsureTopics(ctx, b.Brokers, version, pipeline.KafkaSecurity{}, b.Partitions, 1, topic); err != nil {
-				return err
-			}
-			topics = append(topics, topic)
+		// P and PB read what the bench produces at the rate; beside them
+		// the database's own latency at the same load, L2 and L2B: the
+		// claim and the upsert handed over at the rate, no Kafka.
+		for _, v := range []struct {
+			name string
+			f    *benchFigures
+		}{{"P", &row.p}, {"PB", &row.pb}, {"L2", &row.l2}, {"L2B", &row.l2b}} {
+			variant, fromKafka := v.name, v.name[0] == 'P'
 			line.Set("offered load: %s at %d events/s", variant, rate)
 			measurements++
 			group := fmt.Sprintf("%s.%d.%s.rate%d", run, measurements, strings.ToLower(variant), rate)
 			groups = append(groups, group)
-			f, err := b.atRate(ctx, d, admin, version, variant, topic, group, rate, started, b.profileArgs(variant, measurements)...)
+			var f benchFigures
+			var err error
+			if fromKafka {
+				// A topic per measurement: a group reads from the oldest
+				// offset, and must not read the events another one was
+				// measured with. Its records carry the broker's append
+				// time: the split's.
+				topic := fmt.Sprintf("%s.rate%d.%s", run, rate, strings.ToLower(variant))
+				if err := logAppendTimeTopic(admin, topic, b.Partitions); err != nil {
+					return err
+				}
+				topics = append(topics, topic)
+				f, err = b.atRate(ctx, d, admin, version, variant, topic, group, rate, started, b.profileArgs(variant, measurements)...)
+			} else {
+				f, err = b.child(ctx, d, variant, "", group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), started,
+					append(b.profileArgs(variant, measurements), "--rate", strconv.Itoa(rate), "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))...)
+			}
 			if err != nil {
 				line.Done()
 				fmt.Fprintf(d.stderr, "bench %s at %d events/s: %v\n", variant, rate, err)
 				f = benchFigures{Variant: variant, Skipped: err.Error()}
 			}
-			if variant == "P" {
-				row.p = f
-			} else {
-				row.pb = f
-			}
+			*v.f = f
 		}
 		offered = append(offered, row)
 	}
@@ -258,11 +274,13 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 	if len(offered) > 0 {
 		fmt.Fprintf(w, "\noffered load (%d events each, produced at the rate while consumed; %d partitions; latencies in ms, from each event's production to its commit)\n", b.RateEvents, b.Partitions)
 		t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\t")
+		fmt.Fprintln(t, "events/s\tP p50\tP p99\tP p99.9\tPB p50\tPB p99\tPB p99.9\tPB CPU us/event\tL2 p50\tL2 p99\tL2B p50\tL2B p99\t")
 		for _, r := range offered {
-			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus)
+			fmt.Fprintf(t, "%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.rate, r.p.P50ms, r.p.P99ms, r.p.P999ms, r.pb.P50ms, r.pb.P99ms, r.pb.P999ms, r.pb.CPUus,
+				r.l2.P50ms, r.l2.P99ms, r.l2b.P50ms, r.l2b.P99ms)
 		}
 		t.Flush()
+		printSplit(w, offered)
 	}
 	if waited != nil {
 		waited.print(w)
@@ -273,7 +291,7 @@ func (b *benchCmd) Run(ctx context.Context, d deps) error {
 			pts.sweep = append(pts.sweep, plotSweep{partitions: r.partitions, p: r.p, pb: r.pb})
 		}
 		for _, r := range offered {
-			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb})
+			pts.offered = append(pts.offered, plotRate{rate: r.rate, p: r.p, pb: r.pb, l2: r.l2, l2b: r.l2b})
 		}
 		if err := pts.save(b.Plot); err != nil {
 			return fmt.Errorf("--plot %s: %w", b.Plot, err)
@@ -368,10 +386,35 @@ const (
 
 var throughputDay = time.Date(2000, 1, 1, 12, 0, 0, 0, time.UTC)
 
+// printSplit writes where the offered loads' time went, part by part.
+func printSplit(w io.Writer, offered []rateRow) {
+	fmt.Fprintln(w, "\nwhere the time goes (ms; per event the first three parts add up to its latency above, production to the claim's commit; the offset's commit comes after it)")
+	t := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(t, "events/s\tvariant\tpart\tp50\tp99\tp99.9\t")
+	for _, r := range offered {
+		for _, f := range []benchFigures{r.p, r.pb} {
+			if f.Skipped != "" {
+				fmt.Fprintf(t, "%d\t%s\tskipped\t-\t-\t-\t\n", r.rate, f.Variant)
+				continue
+			}
+			for _, s := range f.Split {
+				fmt.Fprintf(t, "%d\t%s\t%s\t%.2f\t%.2f\t%.2f\t\n", r.rate, f.Variant, s.Part, s.P50ms, s.P99ms, s.P999ms)
+			}
+			fmt.Fprintf(t, "%d\t%s\t%s\t%.2f\t%.2f\t%.2f\t\n", r.rate, f.Variant, "whole: production -> claim's commit", f.P50ms, f.P99ms, f.P999ms)
+		}
+	}
+	t.Flush()
+}
+
+// warmupEvents is how many events --rate-warmup is at rate.
+func (b *benchCmd) warmupEvents(rate int) int {
+	return int(b.RateWarmup.Seconds() * float64(rate))
+}
+
 // rateRow is one offered load's figures.
 type rateRow struct {
-	rate  int
-	p, pb benchFigures
+	rate           int
+	p, pb, l2, l2b benchFigures
 }
 
 // atRate measures variant while events are produced at rate: the consumer
@@ -386,7 +429,12 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 	childCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
-		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), since, append(extra, "--from-produce")...)
+		extra = append(extra, "--from-produce", "--split", "--warmup-events", strconv.Itoa(b.warmupEvents(rate)))
+		if b.SplitFile != "" {
+			ext := filepath.Ext(b.SplitFile)
+			extra = append(extra, "--split-file", fmt.Sprintf("%s.%s.%d%s", strings.TrimSuffix(b.SplitFile, ext), variant, rate, ext))
+		}
+		f, err := b.child(childCtx, d, variant, topic, group, b.RateEvents, int(b.Partitions), max(int(b.Partitions)+4, 8), since, extra...)
 		done <- result{f, err}
 	}()
 	joined := time.Now().Add(time.Minute)
@@ -404,7 +452,7 @@ func (b *benchCmd) atRate(ctx context.Context, d deps, admin sarama.ClusterAdmin
 			return benchFigures{}, fmt.Errorf("the consumer did not join group %s within a minute", group)
 		}
 	}
-	if err := publishAtRate(ctx, b.Brokers, version, topic, b.RateEvents, rate); err != nil {
+	if err := publishAtRate(ctx, b.Brokers, version, topic, b.warmupEvents(rate), b.RateEvents, rate); err != nil {
 		return benchFigures{}, err
 	}
 	r := <-done
