@@ -246,7 +246,8 @@ func (b *benchRunCmd) Run(ctx context.Context, d deps) error {
 	line.Done()
 	f := c.figures(b.Variant)
 	f.Split = b.split
-	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events, 1))
+	// Over every event processed: the warm-up's CPU is in cpu too.
+	f.CPUus = float64(cpu.Microseconds()) / float64(max(b.Events+b.Warmup, 1))
 	f.PeakRSSKiB = peakRSS(os.Getpid())
 	f.Hold = b.hold
 	f.HandlerMs, f.CallMs = b.inHandler, b.inCall
@@ -427,49 +428,53 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 		return err
 	}
 	payloads := benchEvents(b.Events + b.Warmup)
-	chunks := make(chan []dueEvent)
+	// next forms a batch when a commit slot is free, as a batched group
+	// does: all at once, BatchSize events in turn; at an offered load,
+	// what has come, up to BatchSize (the first waited for, the others
+	// taken if they are there). One slot forms its batch at a time.
+	var mu sync.Mutex
+	var next func() []dueEvent
 	if b.Rate > 0 {
-		// At an offered load a batch is what has come, up to BatchSize,
-		// as a batched group's is: the first event waited for, the others
-		// taken if they are there.
 		arriving := make(chan dueEvent, len(payloads))
 		go b.feed(ctx, payloads, arriving)
-		go func() {
-			defer close(chunks)
-			for first := range arriving {
-				chunk := []dueEvent{first}
-			more:
-				for len(chunk) < b.BatchSize {
-					select {
-					case ev, ok := <-arriving:
-						if !ok {
-							break more
-						}
-						chunk = append(chunk, ev)
-					default:
-						break more
+		next = func() []dueEvent {
+			mu.Lock()
+			defer mu.Unlock()
+			first, ok := <-arriving
+			if !ok {
+				return nil
+			}
+			chunk := []dueEvent{first}
+			for len(chunk) < b.BatchSize {
+				select {
+				case ev, ok := <-arriving:
+					if !ok {
+						return chunk
 					}
+					chunk = append(chunk, ev)
+				default:
+					return chunk
 				}
-				chunks <- chunk
 			}
-		}()
+			return chunk
+		}
 	} else {
-		go func() {
-			defer close(chunks)
-			for i := 0; i < len(payloads); i += b.BatchSize {
-				var chunk []dueEvent
-				for _, p := range payloads[i:min(i+b.BatchSize, len(payloads))] {
-					chunk = append(chunk, dueEvent{payload: p})
-				}
-				chunks <- chunk
+		taken := 0
+		next = func() []dueEvent {
+			mu.Lock()
+			defer mu.Unlock()
+			var chunk []dueEvent
+			for ; taken < len(payloads) && len(chunk) < b.BatchSize; taken++ {
+				chunk = append(chunk, dueEvent{payload: payloads[taken]})
 			}
-		}()
+			return chunk
+		}
 	}
 	var failed atomic.Value
 	var wg sync.WaitGroup
 	for range b.BatchConc {
 		wg.Go(func() {
-			for chunk := range chunks {
+			for chunk := next(); len(chunk) > 0; chunk = next() {
 				if err := b.oneBatch(ctx, m, c, chunk); err != nil {
 					failed.Store(err)
 				}
@@ -753,44 +758,51 @@ func publishKeyed(brokers []string, version sarama.KafkaVersion, topic string, p
 }
 
 // publishAtRate publishes warmup and then events events to topic at rate a
-// second, evenly (a batch every 10 ms), each made as it is sent: its id's
-// time, and its producedHeader to the nanosecond, say when it was produced,
-// from which the consumer measures its latency. The first warmup carry
+// second, each at its own instant (evenly spaced from the start), through
+// an asynchronous producer, so that a slow append holds no event's send
+// but the producer's own queue behind it, as a team's producer would. Its
+// producedHeader is its instant, to the nanosecond, not when it left: the
+// consumer measures its latency from there, and a send that came late
+// (the bench's own loop woke late, or the producer queued it) counts, as
+// it does for L2 (no coordinated omission). The first warmup carry
 // warmupHeader: the consumer leaves them out of its figures.
 func publishAtRate(ctx context.Context, brokers []string, version sarama.KafkaVersion, topic string, warmup, events, rate int) error {
 	events += warmup
 	cfg := pipeline.PublisherSaramaConfig(version)
 	cfg.Producer.Compression = sarama.CompressionNone
-	producer, err := sarama.NewSyncProducer(brokers, cfg)
+	producer, err := sarama.NewAsyncProducer(brokers, cfg)
 	if err != nil {
 		return fmt.Errorf("kafka producer: %w", err)
 	}
-	defer producer.Close()
-	const tick = 10 * time.Millisecond
+	var failed error
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for range producer.Successes() {
+		}
+	})
+	wg.Go(func() {
+		for perr := range producer.Errors() {
+			failed = cmp.Or(failed, error(perr))
+		}
+	})
 	start := time.Now()
-	for sent := 0; sent < events; {
-		due := min(events, int(float64(rate)*time.Since(start).Seconds())+1)
-		var msgs []*sarama.ProducerMessage
-		for ; sent < due; sent++ {
-			ev := benchEvent(sent)
-			produced := []sarama.RecordHeader{{Key: []byte(producedHeader), Value: strconv.AppendInt(nil, time.Now().UnixNano(), 10)}}
-			if sent < warmup {
-				produced = append(produced, sarama.RecordHeader{Key: []byte(warmupHeader), Value: []byte("1")})
-			}
-			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(sent)), Value: sarama.ByteEncoder(ev), Headers: produced})
+	for i := 0; i < events && ctx.Err() == nil; i++ {
+		due := start.Add(time.Duration(float64(i) / float64(rate) * float64(time.Second)))
+		if wait := time.Until(due); wait > 0 {
+			time.Sleep(wait)
 		}
-		if len(msgs) > 0 {
-			if err := producer.SendMessages(msgs); err != nil {
-				return fmt.Errorf("publish to %s: %w", topic, err)
-			}
+		headers := []sarama.RecordHeader{{Key: []byte(producedHeader), Value: strconv.AppendInt(nil, due.UnixNano(), 10)}}
+		if i < warmup {
+			headers = append(headers, sarama.RecordHeader{Key: []byte(warmupHeader), Value: []byte("1")})
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(tick):
-		}
+		producer.Input() <- &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(strconv.Itoa(i)), Value: sarama.ByteEncoder(benchEvent(i)), Headers: headers}
 	}
-	return nil
+	producer.AsyncClose()
+	wg.Wait()
+	if failed != nil {
+		return fmt.Errorf("publish to %s: %w", topic, failed)
+	}
+	return ctx.Err()
 }
 
 func writeProfile(name, path string) error {
