@@ -19,7 +19,6 @@ import (
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/middleware/idempotency"
-	"github.com/once-dev/once/pgdb"
 	"github.com/once-dev/once/retention"
 	"github.com/once-dev/once/schema"
 )
@@ -624,37 +623,6 @@ func TestAGuidesRetentionLongerThanTheLibrarysIsRefused(t *testing.T) {
 	}
 }
 
-// detachVanishes is a database whose transactions black-hole the proxy in
-// front of it right after a DETACH PARTITION ran: the pass's client is
-// gone with the claim table's exclusive lock taken, and the server never
-// hears of it.
-type detachVanishes struct {
-	pgdb.DB
-	proxy *testenv.Proxy
-	done  atomic.Bool
-}
-
-func (d *detachVanishes) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
-	tx, err := d.DB.BeginTx(ctx, opts)
-	if err != nil {
-		return nil, err
-	}
-	return &detachVanishesTx{Tx: tx, d: d}, nil
-}
-
-type detachVanishesTx struct {
-	pgx.Tx
-	d *detachVanishes
-}
-
-func (tx *detachVanishesTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := tx.Tx.Exec(ctx, sql, args...)
-	if err == nil && strings.Contains(sql, "DETACH PARTITION") && tx.d.done.CompareAndSwap(false, true) {
-		tx.d.proxy.BlackHole(true)
-	}
-	return tag, err
-}
-
 // A pass whose client vanished behind a network black hole right after its
 // DETACH leaves a transaction holding the claim table's exclusive lock:
 // every claim of every group waits on it. The pass's transactions bound
@@ -669,14 +637,22 @@ func TestAPassThatVanishedMidDetachReleasesTheClaimTable(t *testing.T) {
 
 	proxied, proxy := testenv.ProxiedPostgres(t, pool)
 	t.Cleanup(func() { proxy.BlackHole(false); proxy.Cut() }) // before the proxied pool closes
-	db := &detachVanishes{DB: proxied, proxy: proxy}
+	// Right after the pass's DETACH ran, the network swallows everything:
+	// its client is gone with the claim table's exclusive lock taken, and
+	// the server never hears of it.
+	var detached atomic.Bool
+	db := &testenv.Intercepted{DB: proxied, AfterExec: func(_ context.Context, sql string) {
+		if strings.Contains(sql, "DETACH PARTITION") && detached.CompareAndSwap(false, true) {
+			proxy.BlackHole(true)
+		}
+	}}
 	now = at("2025-07-10T12:00:00Z")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
 		_, _ = retention.Run(ctx, retention.Config{DB: db, Tables: names, Retention: 7 * 24 * time.Hour, Now: func() time.Time { return now }})
 	}()
-	testenv.Eventually(t, 30*time.Second, "the pass detaches a day", db.done.Load)
+	testenv.Eventually(t, 30*time.Second, "the pass detaches a day", detached.Load)
 	var orphans int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND query LIKE '%DETACH PARTITION%' || $1 || '%'`, names.Schema).Scan(&orphans); err != nil {
 		t.Fatal(err)
