@@ -255,7 +255,7 @@ func (o *Outbox) subscriberWatched(db pgdb.DB, initialize bool) (*watermillsql.S
 	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
 		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
 	progress := forwarderGroup
-	var beginner watermillsql.Beginner = rowsErrBeginner{watermillsql.BeginnerFromPgx(idleBounded{db, o.idleLimit()}), backoff}
+	var beginner watermillsql.Beginner = rowsErrBeginner{watermillsql.BeginnerFromPgx(pgdb.IdleBounded{DB: db, Idle: o.idleLimit()}), backoff}
 	var watch *progressWatch
 	if !initialize {
 		// Forwarder takes no context; the question is one short query.
@@ -517,28 +517,6 @@ func (o *Outbox) idleLimit() time.Duration {
 		return DefaultIdleInTransactionTimeout
 	}
 	return o.IdleInTransactionTimeout
-}
-
-// idleBounded begins every transaction of the forwarder with the server's
-// idle_in_transaction_session_timeout set for that transaction only: behind
-// a transaction pooler a session setting would stay on a server connection
-// another client gets next, and the pooler refuses one in the start-up
-// packet.
-type idleBounded struct {
-	pgdb.DB
-	limit time.Duration
-}
-
-func (d idleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
-	tx, err := d.DB.BeginTx(ctx, opts)
-	if err != nil {
-		return tx, err
-	}
-	if err := pgdb.BoundIdle(ctx, tx, d.limit); err != nil {
-		_ = tx.Rollback(ctx)
-		return nil, fmt.Errorf("outbox: %w", err)
-	}
-	return tx, nil
 }
 
 // Forwarder moves the outbox's committed messages to Kafka through

@@ -39,13 +39,28 @@ func InTx(ctx context.Context, db Beginner, f func(pgx.Tx) error) error {
 
 // InTxBounded is InTx with the transaction's idle time bounded by idle
 // (see [BoundIdle]), for a transaction that writes.
-func InTxBounded(ctx context.Context, db Beginner, idle time.Duration, f func(pgx.Tx) error) error {
-	return pgx.BeginTxFunc(ctx, db, pgx.TxOptions{}, func(tx pgx.Tx) error {
-		if err := BoundIdle(ctx, tx, idle); err != nil {
-			return err
-		}
-		return f(tx)
-	})
+func InTxBounded(ctx context.Context, db DB, idle time.Duration, f func(pgx.Tx) error) error {
+	return InTx(ctx, IdleBounded{DB: db, Idle: idle}, f)
+}
+
+// IdleBounded is DB whose every transaction has its idle time bounded by
+// Idle from its start (see [BoundIdle]): for code that begins its own
+// transactions, such as watermill-sql's.
+type IdleBounded struct {
+	DB
+	Idle time.Duration
+}
+
+func (d IdleBounded) BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error) {
+	tx, err := d.DB.BeginTx(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := BoundIdle(ctx, tx, d.Idle); err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, err
+	}
+	return tx, nil
 }
 
 // BoundIdle sets how long the server lets tx sit idle between its

@@ -429,46 +429,37 @@ func (b *benchRunCmd) directBatched(ctx context.Context, pool *pgxpool.Pool, c *
 	}
 	payloads := benchEvents(b.Events + b.Warmup)
 	// next forms a batch when a commit slot is free, as a batched group
-	// does: all at once, BatchSize events in turn; at an offered load,
-	// what has come, up to BatchSize (the first waited for, the others
-	// taken if they are there). One slot forms its batch at a time.
-	var mu sync.Mutex
-	var next func() []dueEvent
+	// does: what has come, up to BatchSize (the first waited for, the
+	// others taken if they are there). All at once, every event has come
+	// before the first batch, and each is BatchSize in turn. One slot
+	// forms its batch at a time.
+	arriving := make(chan dueEvent, len(payloads))
 	if b.Rate > 0 {
-		arriving := make(chan dueEvent, len(payloads))
 		go b.feed(ctx, payloads, arriving)
-		next = func() []dueEvent {
-			mu.Lock()
-			defer mu.Unlock()
-			first, ok := <-arriving
-			if !ok {
-				return nil
-			}
-			chunk := []dueEvent{first}
-			for len(chunk) < b.BatchSize {
-				select {
-				case ev, ok := <-arriving:
-					if !ok {
-						return chunk
-					}
-					chunk = append(chunk, ev)
-				default:
+	} else {
+		b.feed(ctx, payloads, arriving)
+	}
+	var mu sync.Mutex
+	next := func() []dueEvent {
+		mu.Lock()
+		defer mu.Unlock()
+		first, ok := <-arriving
+		if !ok {
+			return nil
+		}
+		chunk := []dueEvent{first}
+		for len(chunk) < b.BatchSize {
+			select {
+			case ev, ok := <-arriving:
+				if !ok {
 					return chunk
 				}
+				chunk = append(chunk, ev)
+			default:
+				return chunk
 			}
-			return chunk
 		}
-	} else {
-		taken := 0
-		next = func() []dueEvent {
-			mu.Lock()
-			defer mu.Unlock()
-			var chunk []dueEvent
-			for ; taken < len(payloads) && len(chunk) < b.BatchSize; taken++ {
-				chunk = append(chunk, dueEvent{payload: payloads[taken]})
-			}
-			return chunk
-		}
+		return chunk
 	}
 	var failed atomic.Value
 	var wg sync.WaitGroup
