@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"sync/atomic"
@@ -60,7 +61,12 @@ func (p *provider) client(t *testing.T, cfg payment.ClientConfig) *payment.Clien
 
 func (p *provider) post(t *testing.T, key, body string) *http.Response {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, p.srv.URL+"/v1/charges", bytes.NewBufferString(body))
+	return p.postTo(t, "/v1/charges", key, body)
+}
+
+func (p *provider) postTo(t *testing.T, path, key, body string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, p.srv.URL+path, bytes.NewBufferString(body))
 	req.Header.Set("Authorization", "Bearer "+p.account)
 	if key != "" {
 		req.Header.Set(payment.HeaderIdempotencyKey, key)
@@ -156,6 +162,46 @@ func TestRequestWhileKeyInFlightIs409(t *testing.T) {
 	}
 	if l := ledger(t, p.client(t, payment.ClientConfig{})); l.Count != 2 {
 		t.Fatalf("ledger has %d charges, want 2", l.Count)
+	}
+}
+
+// A request that outlives InFlightTimeout loses its key to the request that
+// takes it over; only one of them moves the money, as at a real provider.
+// Without the fence both charged: a double charge under one key (seen in e2e
+// row 5 when the machine was slow).
+func TestARequestThatOutlivedItsKeyDoesNotChargeBesideTheTakeover(t *testing.T) {
+	pool := reftest.Postgres(t)
+	for _, path := range []string{"/v1/charges", "/v1/refunds"} {
+		t.Run(path, func(t *testing.T) {
+			p := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: 500 * time.Millisecond, Faults: payment.Faults{Latency: 1200 * time.Millisecond}})
+			body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
+			if path == "/v1/refunds" {
+				ch, err := p.client(t, payment.ClientConfig{}).Charge(context.Background(), chargeReq("9.00"), uuid.NewString())
+				if err != nil {
+					t.Fatal(err)
+				}
+				body = fmt.Sprintf(`{"charge_id":%q,"amount":"5.00"}`, ch.ID)
+			}
+			key := uuid.NewString()
+			first := make(chan int, 1)
+			go func() { first <- p.postTo(t, path, key, body).StatusCode }()
+			time.Sleep(800 * time.Millisecond) // past the in-flight timeout, before the first request executes
+			second := p.postTo(t, path, key, body).StatusCode
+			firstStatus := <-first
+			if second != http.StatusOK {
+				t.Fatalf("the takeover answered %d, want 200: the request that took the key over did not execute", second)
+			}
+			if firstStatus != http.StatusConflict {
+				t.Fatalf("the request that lost its key answered %d, want 409", firstStatus)
+			}
+			l := ledger(t, p.client(t, payment.ClientConfig{}))
+			if moved := map[string]int{"/v1/charges": l.Count, "/v1/refunds": l.RefundCount}[path]; moved != 1 {
+				t.Fatalf("%d %s under one key, want 1: %+v", moved, path, l)
+			}
+			if s := p.postTo(t, path, key, body); s.StatusCode != http.StatusOK || s.Header.Get(payment.HeaderReplayed) != "true" {
+				t.Fatalf("a retry after both answered %d (replayed %q), want the stored 200", s.StatusCode, s.Header.Get(payment.HeaderReplayed))
+			}
+		})
 	}
 }
 

@@ -55,7 +55,7 @@ type paymentProviderCmd struct {
 
 	Listen          string        `name:"listen" env:"PAYMENT_LISTEN" default:"127.0.0.1:18080" help:"Address to serve the simulator on."`
 	KeyRetention    time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long idempotency keys are remembered."`
-	InFlightTimeout time.Duration `name:"in-flight-timeout" env:"PAYMENT_IN_FLIGHT_TIMEOUT" default:"30s" help:"After this, a key whose request never finished is given to the next request."`
+	InFlightTimeout time.Duration `name:"in-flight-timeout" env:"PAYMENT_IN_FLIGHT_TIMEOUT" default:"30s" help:"After this, a key whose request never finished is given to the next request (a slow first request then executes nothing)."`
 	DeclineAbove    string        `name:"decline-above" env:"PAYMENT_DECLINE_ABOVE" default:"10000" help:"Amounts above this are declined (402 card_declined)."`
 	ResetRate       float64       `name:"fault-reset-rate" env:"PAYMENT_FAULT_RESET_RATE" default:"0" help:"Share of charges answered by dropping the connection after charging."`
 	Error5xxRate    float64       `name:"fault-5xx-rate" env:"PAYMENT_FAULT_5XX_RATE" default:"0" help:"Share of requests answered 503 before anything happens."`
