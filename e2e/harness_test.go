@@ -814,8 +814,10 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 		total = total.Add(ev.TotalAmount())
 	}
 	charged := map[string]int{}
+	chargesOf := map[string][]string{} // order → its charges' keys and times, to tell which lock let a double through
 	for _, c := range ledger.Charges {
 		charged[c.OrderID]++
+		chargesOf[c.OrderID] = append(chargesOf[c.OrderID], fmt.Sprintf("%s under key %s at %s", c.ChargeID, c.IdempotencyKey, c.CreatedAt.Format("15:04:05.000000")))
 		if _, ok := want[c.OrderID]; !ok {
 			t.Errorf("charge %s for an order that must not be charged: %s", c.ChargeID, c.OrderID)
 		}
@@ -824,7 +826,7 @@ func (s *scenario) verify(drainTimeout time.Duration) {
 	for id, n := range charged {
 		if n > 1 {
 			r.DoubleCharges++
-			t.Errorf("order %s charged %d times", id, n)
+			t.Errorf("order %s charged %d times: %s", id, n, strings.Join(chargesOf[id], "; "))
 		}
 	}
 	if len(want) > 0 && ledger.Totals["EUR"] != total.StringFixed(2) {
