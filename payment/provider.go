@@ -123,6 +123,12 @@ func NewProvider(cfg ProviderConfig) (*Provider, error) {
 	if cfg.KeyRetention < 0 || cfg.InFlightTimeout < 0 || cfg.Faults.Latency < 0 {
 		return nil, errors.New("payment: durations must not be negative")
 	}
+	if cfg.Faults.Latency >= cfg.InFlightTimeout {
+		// Every request would outlive its key: each retry takes the key over
+		// and sends the request before it away with a 409, and nothing charges.
+		return nil, fmt.Errorf("payment: Faults.Latency %v is not below InFlightTimeout %v: every request would lose its key before it executes",
+			cfg.Faults.Latency, cfg.InFlightTimeout)
+	}
 	p := &Provider{cfg: cfg, mux: http.NewServeMux()}
 	p.mux.HandleFunc("POST /v1/charges", func(w http.ResponseWriter, r *http.Request) {
 		p.idempotent(w, r, "", p.executeCharge, &p.stats.charges)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -66,17 +67,50 @@ func (p *provider) post(t *testing.T, key, body string) *http.Response {
 
 func (p *provider) postTo(t *testing.T, path, key, body string) *http.Response {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, p.srv.URL+path, bytes.NewBufferString(body))
+	resp, err := p.send(path, key, body)
+	if err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	return resp
+}
+
+// send posts without a *testing.T, so that any goroutine may call it.
+func (p *provider) send(path, key, body string) (*http.Response, error) {
+	req, err := http.NewRequest(http.MethodPost, p.srv.URL+path, bytes.NewBufferString(body))
+	if err != nil {
+		return nil, err
+	}
 	req.Header.Set("Authorization", "Bearer "+p.account)
 	if key != "" {
 		req.Header.Set(payment.HeaderIdempotencyKey, key)
 	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatalf("POST /v1/charges: %v", err)
+	return http.DefaultClient.Do(req)
+}
+
+// pending is a request sent by sendAsync.
+type pending struct {
+	path string
+	done chan struct{}
+	resp *http.Response
+	err  error
+}
+
+func (p *provider) sendAsync(path, key, body string) *pending {
+	r := &pending{path: path, done: make(chan struct{})}
+	go func() { defer close(r.done); r.resp, r.err = p.send(path, key, body) }()
+	return r
+}
+
+// wait returns the request's answer, or fails the test from its own goroutine.
+func (r *pending) wait(t *testing.T) *http.Response {
+	t.Helper()
+	<-r.done
+	if r.err != nil {
+		t.Fatalf("POST %s: %v", r.path, r.err)
 	}
-	t.Cleanup(func() { resp.Body.Close() })
-	return resp
+	t.Cleanup(func() { r.resp.Body.Close() })
+	return r.resp
 }
 
 func ledger(t *testing.T, c *payment.Client) payment.Ledger {
@@ -165,43 +199,107 @@ func TestRequestWhileKeyInFlightIs409(t *testing.T) {
 	}
 }
 
-// A request that outlives InFlightTimeout loses its key to the request that
-// takes it over; only one of them moves the money, as at a real provider.
-// Without the fence both charged: a double charge under one key (seen in e2e
-// row 5 when the machine was slow).
+// A request that outlives its key's in-flight timeout before it executes
+// loses the key to the request that takes it over; only that one moves the
+// money, as at a real provider. Here the slow request is at an instance of
+// the simulator with a long timeout and the takeover at one with a short
+// timeout (two instances on one database). Without the fence both charged.
 func TestARequestThatOutlivedItsKeyDoesNotChargeBesideTheTakeover(t *testing.T) {
 	pool := reftest.Postgres(t)
 	for _, path := range []string{"/v1/charges", "/v1/refunds"} {
 		t.Run(path, func(t *testing.T) {
-			p := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: 500 * time.Millisecond, Faults: payment.Faults{Latency: 1200 * time.Millisecond}})
+			slow := startProvider(t, pool, payment.ProviderConfig{Faults: payment.Faults{Latency: 1200 * time.Millisecond}})
+			quick := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: 500 * time.Millisecond})
+			quick.account = slow.account
 			body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
 			if path == "/v1/refunds" {
-				ch, err := p.client(t, payment.ClientConfig{}).Charge(context.Background(), chargeReq("9.00"), uuid.NewString())
+				ch, err := quick.client(t, payment.ClientConfig{}).Charge(context.Background(), chargeReq("9.00"), uuid.NewString())
 				if err != nil {
 					t.Fatal(err)
 				}
 				body = fmt.Sprintf(`{"charge_id":%q,"amount":"5.00"}`, ch.ID)
 			}
 			key := uuid.NewString()
-			first := make(chan int, 1)
-			go func() { first <- p.postTo(t, path, key, body).StatusCode }()
-			time.Sleep(800 * time.Millisecond) // past the in-flight timeout, before the first request executes
-			second := p.postTo(t, path, key, body).StatusCode
-			firstStatus := <-first
-			if second != http.StatusOK {
-				t.Fatalf("the takeover answered %d, want 200: the request that took the key over did not execute", second)
+			first := slow.sendAsync(path, key, body)
+			time.Sleep(800 * time.Millisecond) // past the quick one's in-flight timeout, before the slow one executes
+			taken := quick.postTo(t, path, key, body)
+			if taken.StatusCode != http.StatusOK || taken.Header.Get(payment.HeaderReplayed) != "" {
+				t.Fatalf("the takeover answered %d (replayed %q), want a fresh 200: it did not take the key over", taken.StatusCode, taken.Header.Get(payment.HeaderReplayed))
 			}
-			if firstStatus != http.StatusConflict {
-				t.Fatalf("the request that lost its key answered %d, want 409", firstStatus)
+			if lost := first.wait(t); lost.StatusCode != http.StatusConflict {
+				t.Fatalf("the request that lost its key answered %d, want 409", lost.StatusCode)
 			}
-			l := ledger(t, p.client(t, payment.ClientConfig{}))
-			if moved := map[string]int{"/v1/charges": l.Count, "/v1/refunds": l.RefundCount}[path]; moved != 1 {
-				t.Fatalf("%d %s under one key, want 1: %+v", moved, path, l)
+			l := ledger(t, quick.client(t, payment.ClientConfig{}))
+			if path == "/v1/charges" && l.Count != 1 || path == "/v1/refunds" && (l.RefundCount != 1 || l.RefundTotals["EUR"] != "5.00") {
+				t.Fatalf("the ledger after one key's two requests: %+v; want one %s", l, path)
 			}
-			if s := p.postTo(t, path, key, body); s.StatusCode != http.StatusOK || s.Header.Get(payment.HeaderReplayed) != "true" {
-				t.Fatalf("a retry after both answered %d (replayed %q), want the stored 200", s.StatusCode, s.Header.Get(payment.HeaderReplayed))
+			if again := slow.postTo(t, path, key, body); again.StatusCode != http.StatusOK || again.Header.Get(payment.HeaderReplayed) != "true" {
+				t.Fatalf("a retry after both answered %d (replayed %q), want the stored 200", again.StatusCode, again.Header.Get(payment.HeaderReplayed))
 			}
 		})
+	}
+}
+
+// A takeover that comes while the key's request is past its fence (a
+// stalled insert, as on a loaded machine) waits for it and replays its
+// answer: the fence's row lock. Without the lock both charged.
+func TestATakeoverWhileTheRequestExecutesWaitsForItsAnswer(t *testing.T) {
+	pool := reftest.Postgres(t)
+	ctx := context.Background()
+	const inFlight = 500 * time.Millisecond
+	p := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: inFlight})
+	stall, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stall.Rollback(ctx)
+	if _, err := stall.Exec(ctx, `LOCK TABLE payment_provider.charge IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	key := uuid.NewString()
+	body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
+	first := p.sendAsync("/v1/charges", key, body)
+	time.Sleep(inFlight + 300*time.Millisecond)
+	takeover := p.sendAsync("/v1/charges", key, body)
+	// The fault, proven before the outcome: the key is still in flight past
+	// its timeout, and the takeover waits on the key's row.
+	var state string
+	var age time.Duration
+	if err := pool.QueryRow(ctx, `SELECT state, now() - locked_at FROM payment_provider.idempotency_key WHERE account = $1 AND key = $2`, p.account, key).Scan(&state, &age); err != nil {
+		t.Fatal(err)
+	}
+	if state != "in_flight" || age < inFlight {
+		t.Fatalf("the first request is %s for %v; want in flight past %v", state, age, inFlight)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for waiting := 0; waiting == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("the takeover never waited on the key's row")
+		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE payment_provider.idempotency_key SET locked_at%'`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := stall.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r := first.wait(t); r.StatusCode != http.StatusOK {
+		t.Fatalf("the stalled request answered %d, want 200", r.StatusCode)
+	}
+	if r := takeover.wait(t); r.StatusCode != http.StatusOK || r.Header.Get(payment.HeaderReplayed) != "true" {
+		t.Fatalf("the takeover answered %d (replayed %q), want the first request's stored 200", r.StatusCode, r.Header.Get(payment.HeaderReplayed))
+	}
+	if l := ledger(t, p.client(t, payment.ClientConfig{})); l.Count != 1 {
+		t.Fatalf("%d charges under one key, want 1", l.Count)
+	}
+}
+
+func TestALatencyThatOutlastsTheInFlightTimeoutIsRefused(t *testing.T) {
+	_, err := payment.NewProvider(payment.ProviderConfig{DB: reftest.Postgres(t), InFlightTimeout: time.Second, Faults: payment.Faults{Latency: time.Second}})
+	if err == nil || !strings.Contains(err.Error(), "Faults.Latency 1s") || !strings.Contains(err.Error(), "InFlightTimeout 1s") {
+		t.Fatalf("got %v; want a refusal naming Faults.Latency and InFlightTimeout", err)
 	}
 }
 

@@ -44,6 +44,7 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"dlq", "replay", "--kafka-brokers", "h:1", "--older-than", "48h"}, "--max-age"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--drain-timeout", "10s", "--revocation-grace", "10s"}, "--drain-timeout"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency", "-1"}, "--concurrency"},
+		{[]string{"payment-provider", "--database-url", "postgres://x@h/db", "--fault-latency", "2s", "--in-flight-timeout", "1s"}, "--in-flight-timeout"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")
 		t.Setenv("DATABASE_URL", "")

@@ -72,6 +72,10 @@ func (c *paymentProviderCmd) Validate() error {
 	if _, err := decimal.NewFromString(c.DeclineAbove); err != nil {
 		return fmt.Errorf("--decline-above (PAYMENT_DECLINE_ABOVE): %q is not a decimal", c.DeclineAbove)
 	}
+	if c.InFlightTimeout > 0 && c.Latency >= c.InFlightTimeout {
+		return fmt.Errorf("--fault-latency (PAYMENT_FAULT_LATENCY) %v must be below --in-flight-timeout (PAYMENT_IN_FLIGHT_TIMEOUT) %v: every request would lose its key before it executes",
+			c.Latency, c.InFlightTimeout)
+	}
 	for name, r := range map[string]float64{"--fault-reset-rate": c.ResetRate, "--fault-5xx-rate": c.Error5xxRate, "--fault-stored-error-rate": c.StoredErrorRate, "--fault-401-rate": c.Unauthorized} {
 		if r < 0 || r > 1 {
 			return fmt.Errorf("%s must be between 0 and 1, got %v", name, r)
