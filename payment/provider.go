@@ -37,7 +37,8 @@ type Faults struct {
 	// StoredErrorRate: answer 500 from inside the charge and store that answer
 	// under the key, as Stripe does; retries with the key replay it.
 	StoredErrorRate float64
-	// Latency added to every charge the provider executes (replays are fast).
+	// Latency added to every charge the provider executes (replays are fast),
+	// spent holding the key, so it must stay below InFlightTimeout.
 	Latency time.Duration
 	// UnauthorizedRate: answer 401 invalid_api_key before anything happens,
 	// as a provider does while the merchant's key is being rotated.
@@ -52,9 +53,11 @@ type ProviderConfig struct {
 	// that the same key charges again. Default 24h.
 	KeyRetention time.Duration
 	// InFlightTimeout: a key whose first request died half-way (the simulator
-	// crashed) is given to the next request after this long. Default 30s.
-	// A first request that was only slow and outlived it moves no money: it
-	// answers 409, and the request that took the key over executes.
+	// crashed) is given to the next request after this long. A first request
+	// that was only slow, and had not begun to execute when another request
+	// took its key over, moves no money: it answers 409, and the other
+	// executes. One that is executing holds its key's row, so a takeover
+	// waits for it and replays its answer. Default 30s.
 	InFlightTimeout time.Duration
 	// DeclineAbove: amounts above it are declined with 402 card_declined.
 	// Default 10000.

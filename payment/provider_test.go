@@ -170,13 +170,12 @@ func TestRequestWhileKeyInFlightIs409(t *testing.T) {
 	p := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: time.Second, Faults: payment.Faults{Latency: 400 * time.Millisecond}})
 	key := uuid.Must(uuid.NewV7()).String()
 	body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
-	first := make(chan int, 1)
-	go func() { first <- p.post(t, key, body).StatusCode }()
+	first := p.sendAsync("/v1/charges", key, body)
 	time.Sleep(100 * time.Millisecond) // the first request now holds the key
 	if s := p.post(t, key, body).StatusCode; s != http.StatusConflict {
 		t.Fatalf("request during the first one's processing answered %d, want 409", s)
 	}
-	if s := <-first; s != http.StatusOK {
+	if s := first.wait(t).StatusCode; s != http.StatusOK {
 		t.Fatalf("first request answered %d, want 200", s)
 	}
 
@@ -201,15 +200,19 @@ func TestRequestWhileKeyInFlightIs409(t *testing.T) {
 
 // A request that outlives its key's in-flight timeout before it executes
 // loses the key to the request that takes it over; only that one moves the
-// money, as at a real provider. Here the slow request is at an instance of
-// the simulator with a long timeout and the takeover at one with a short
-// timeout (two instances on one database). Without the fence both charged.
+// money, as at a real provider, even when the loser reaches its transaction
+// first. Here the slow request is at an instance of the simulator with a
+// long timeout and the takeover at one with a short timeout (two instances
+// on one database). Without the fence both charged; without its locked_at
+// the loser charged and the takeover was sent away.
 func TestARequestThatOutlivedItsKeyDoesNotChargeBesideTheTakeover(t *testing.T) {
 	pool := reftest.Postgres(t)
 	for _, path := range []string{"/v1/charges", "/v1/refunds"} {
 		t.Run(path, func(t *testing.T) {
-			slow := startProvider(t, pool, payment.ProviderConfig{Faults: payment.Faults{Latency: 1200 * time.Millisecond}})
-			quick := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: 500 * time.Millisecond})
+			// The slow one executes at 2 s; the other takes the key over at
+			// 1.4 s, past its 1 s timeout, and executes at 2.35 s.
+			slow := startProvider(t, pool, payment.ProviderConfig{Faults: payment.Faults{Latency: 2 * time.Second}})
+			quick := startProvider(t, pool, payment.ProviderConfig{InFlightTimeout: time.Second, Faults: payment.Faults{Latency: 950 * time.Millisecond}})
 			quick.account = slow.account
 			body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
 			if path == "/v1/refunds" {
@@ -221,7 +224,7 @@ func TestARequestThatOutlivedItsKeyDoesNotChargeBesideTheTakeover(t *testing.T) 
 			}
 			key := uuid.NewString()
 			first := slow.sendAsync(path, key, body)
-			time.Sleep(800 * time.Millisecond) // past the quick one's in-flight timeout, before the slow one executes
+			time.Sleep(1400 * time.Millisecond)
 			taken := quick.postTo(t, path, key, body)
 			if taken.StatusCode != http.StatusOK || taken.Header.Get(payment.HeaderReplayed) != "" {
 				t.Fatalf("the takeover answered %d (replayed %q), want a fresh 200: it did not take the key over", taken.StatusCode, taken.Header.Get(payment.HeaderReplayed))
@@ -259,7 +262,7 @@ func TestATakeoverWhileTheRequestExecutesWaitsForItsAnswer(t *testing.T) {
 	key := uuid.NewString()
 	body := `{"order_id":"o-1","amount":"5.00","currency":"EUR"}`
 	first := p.sendAsync("/v1/charges", key, body)
-	time.Sleep(inFlight + 300*time.Millisecond)
+	time.Sleep(inFlight + 600*time.Millisecond)
 	takeover := p.sendAsync("/v1/charges", key, body)
 	// The fault, proven before the outcome: the key is still in flight past
 	// its timeout, and the takeover waits on the key's row.

@@ -45,6 +45,7 @@ func TestBadSettingsAreNamed(t *testing.T) {
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--drain-timeout", "10s", "--revocation-grace", "10s"}, "--drain-timeout"},
 		{[]string{"serve", "--kafka-brokers", "h:1", "--database-url", "postgres://x@h/db", "--concurrency", "-1"}, "--concurrency"},
 		{[]string{"payment-provider", "--database-url", "postgres://x@h/db", "--fault-latency", "2s", "--in-flight-timeout", "1s"}, "--in-flight-timeout"},
+		{[]string{"payment-provider", "--database-url", "postgres://x@h/db", "--in-flight-timeout", "0s"}, "--in-flight-timeout"},
 	} {
 		t.Setenv("KAFKA_BROKERS", "")
 		t.Setenv("DATABASE_URL", "")

@@ -55,12 +55,12 @@ type paymentProviderCmd struct {
 
 	Listen          string        `name:"listen" env:"PAYMENT_LISTEN" default:"127.0.0.1:18080" help:"Address to serve the simulator on."`
 	KeyRetention    time.Duration `name:"key-retention" env:"PAYMENT_KEY_RETENTION" default:"24h" help:"How long idempotency keys are remembered."`
-	InFlightTimeout time.Duration `name:"in-flight-timeout" env:"PAYMENT_IN_FLIGHT_TIMEOUT" default:"30s" help:"After this, a key whose request never finished is given to the next request (a slow first request then executes nothing)."`
+	InFlightTimeout time.Duration `name:"in-flight-timeout" env:"PAYMENT_IN_FLIGHT_TIMEOUT" default:"30s" help:"After this, a key whose request never finished is given to the next request (a slow first request that had not begun to execute then moves no money)."`
 	DeclineAbove    string        `name:"decline-above" env:"PAYMENT_DECLINE_ABOVE" default:"10000" help:"Amounts above this are declined (402 card_declined)."`
 	ResetRate       float64       `name:"fault-reset-rate" env:"PAYMENT_FAULT_RESET_RATE" default:"0" help:"Share of charges answered by dropping the connection after charging."`
 	Error5xxRate    float64       `name:"fault-5xx-rate" env:"PAYMENT_FAULT_5XX_RATE" default:"0" help:"Share of requests answered 503 before anything happens."`
 	StoredErrorRate float64       `name:"fault-stored-error-rate" env:"PAYMENT_FAULT_STORED_ERROR_RATE" default:"0" help:"Share of charges answered 500 and stored under the key (replayed on retry)."`
-	Latency         time.Duration `name:"fault-latency" env:"PAYMENT_FAULT_LATENCY" default:"0s" help:"Latency added to every executed charge."`
+	Latency         time.Duration `name:"fault-latency" env:"PAYMENT_FAULT_LATENCY" default:"0s" help:"Latency added to every executed charge, spent holding the key: below --in-flight-timeout."`
 	Unauthorized    float64       `name:"fault-401-rate" env:"PAYMENT_FAULT_401_RATE" default:"0" help:"Share of requests answered 401 invalid_api_key (a key being rotated)."`
 	Migrate         bool          `name:"migrate" env:"ONCE_MIGRATE" default:"true" negatable:"" help:"Apply migrations at start-up."`
 }
@@ -72,7 +72,10 @@ func (c *paymentProviderCmd) Validate() error {
 	if _, err := decimal.NewFromString(c.DeclineAbove); err != nil {
 		return fmt.Errorf("--decline-above (PAYMENT_DECLINE_ABOVE): %q is not a decimal", c.DeclineAbove)
 	}
-	if c.InFlightTimeout > 0 && c.Latency >= c.InFlightTimeout {
+	if c.InFlightTimeout <= 0 {
+		return fmt.Errorf("--in-flight-timeout (PAYMENT_IN_FLIGHT_TIMEOUT) must be positive, got %v", c.InFlightTimeout)
+	}
+	if c.Latency >= c.InFlightTimeout {
 		return fmt.Errorf("--fault-latency (PAYMENT_FAULT_LATENCY) %v must be below --in-flight-timeout (PAYMENT_IN_FLIGHT_TIMEOUT) %v: every request would lose its key before it executes",
 			c.Latency, c.InFlightTimeout)
 	}
