@@ -150,7 +150,7 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 	var mu sync.Mutex
 	var deliveries []once.Delivery
 	var unknownType, emptyKey, batchInTx error
-	var inTxRuns, batchedEvents, batches, runAlone atomic.Int64
+	var inTxRuns, batchedEvents, batches, batchedSizes, runAlone atomic.Int64
 	inTx := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			inTxRuns.Add(1)
@@ -158,7 +158,11 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 		}
 	}
 	svc, err := once.New(context.Background(), once.Config{Brokers: brokers, DatabaseURL: os.Getenv("DATABASE_URL"), Tables: ownTables(t), Logger: quiet(),
-		Hooks: once.Hooks{OnBatch: func(b pipeline.BatchDone) { batches.Add(1); runAlone.Add(int64(b.RunAlone)) }},
+		Hooks: once.Hooks{OnBatch: func(b pipeline.BatchDone) {
+			batches.Add(1)
+			batchedSizes.Add(int64(b.Size))
+			runAlone.Add(int64(b.RunAlone))
+		}},
 		Outgoing: []once.OutgoingBinding{once.Outgoing[ping]{Name: out, Key: func(p ping) string {
 			if p.N < 0 {
 				return ""
@@ -198,8 +202,10 @@ func TestAHandlersContextAndPublish(t *testing.T) {
 		b, _ := json.Marshal(ping{ID: uuid.Must(uuid.NewV7()), N: i})
 		testenv.Publish(t, producer, topic, "key-"+fmt.Sprint(i), b)
 	}
-	testenv.Eventually(t, 30*time.Second, "the follow-ups on Kafka, and the batched group's events", func() bool {
-		return testenv.MessageCount(t, brokers, out) == 5 && batchedEvents.Load() == 5
+	// OnBatch is called after a batch commits, so the batches are counted
+	// only once every event's batch is done, not just handled.
+	testenv.Eventually(t, 30*time.Second, "the follow-ups on Kafka, and the batched group's events in batches done", func() bool {
+		return testenv.MessageCount(t, brokers, out) == 5 && batchedEvents.Load() == 5 && batchedSizes.Load() >= 5
 	})
 	mu.Lock()
 	defer mu.Unlock()

@@ -140,7 +140,12 @@ func TestConsoleInABrowser(t *testing.T) {
 	if report := text(t, ctx, "#report"); !strings.Contains(report, "Replayed 1") {
 		t.Fatalf("the replay's report: %q", report)
 	}
-	testenv.Eventually(t, 30*time.Second, "the replayed event processed", func() bool { return effects.Load() == 1 })
+	// The handler's effect counts before its claim commits; the inbox page
+	// reads the claim.
+	testenv.Eventually(t, 30*time.Second, "the replayed event processed and its claim committed", func() bool {
+		claims, err := inbox.Lookup(context.Background(), pool, tables, poison.ID, group)
+		return err == nil && len(claims) == 1 && effects.Load() == 1
+	})
 	do(t, ctx, "the replay's outcome", chromedp.Click("#outcomes a"))
 	if outcome := text(t, ctx, "#claims .outcome"); outcome != "processed by the replay" {
 		t.Fatalf("the inbox says %q; want the replay to have processed the event", outcome)
