@@ -198,3 +198,82 @@ func TestAnIdleBoundTheServerCannotTakeIsRefused(t *testing.T) {
 		t.Fatalf("a 30-day bound: %v; want it refused naming IdleInTransactionTimeout", err)
 	}
 }
+
+// stallingPublisher waits stall before its first publish, as a Kafka that
+// is slow to acknowledge.
+type stallingPublisher struct {
+	outbox.KafkaPublisher
+	stall   time.Duration
+	stalled atomic.Int64
+}
+
+func (p *stallingPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if p.stalled.CompareAndSwap(0, 1) {
+		time.Sleep(p.stall)
+	}
+	return p.KafkaPublisher.Publish(topic, msgs...)
+}
+
+// A forwarder whose Kafka acknowledged slower than the forwarder's idle
+// bound has its transaction ended by the server. That is the bound at
+// work, not the database gone: the line says so and names the setting,
+// and the rows go again.
+func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
+	pool := testenv.Postgres(t)
+	brokers := testenv.Brokers(t)
+	dest := testenv.Topic(t, brokers, 1)
+	ctx := context.Background()
+	name := fmt.Sprintf("outbox_idle_%d", time.Now().UnixNano()%1e9)
+	var logged testenv.Logs
+	ob, err := outbox.New(schema.Config{Outbox: name, OutboxOffsets: name + "_offsets"}, slog.New(slog.NewJSONHandler(&logged, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob.IdleInTransactionTimeout = time.Second
+	if err := ob.Init(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+pgx.Identifier{name}.Sanitize()+`, `+pgx.Identifier{name + "_offsets"}.Sanitize())
+		if t.Failed() {
+			t.Logf("the forwarder's log:\n%s", logged.String())
+		}
+	})
+	pub := &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, brokers)}, stall: 3 * time.Second}
+	fw, err := ob.Forwarder(pool, pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- fw.Run(runCtx) }()
+	t.Cleanup(func() { stop(); <-done })
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ob.Publish(ctx, tx, outbox.Message{Topic: dest, Key: "k", ID: "held-by-kafka", Payload: []byte(`{}`)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "a line naming the forwarder's idle bound", func() bool {
+		return strings.Contains(logged.String(), "IdleInTransactionTimeout")
+	})
+	if pub.stalled.Load() != 1 {
+		t.Fatal("the publish never stalled: the fault did not happen")
+	}
+	var line map[string]any
+	for _, l := range logged.JSONLines(t, "WARN", "ERROR") {
+		if msg, _ := l["msg"].(string); strings.Contains(msg, "IdleInTransactionTimeout") {
+			line = l
+		}
+	}
+	if line["level"] != "WARN" || line["error_class"] != "idle_bound" || line["idle_bound"] != float64(time.Second) || strings.Contains(line["msg"].(string), "cannot be reached") {
+		t.Errorf("the bound's line: %v; want a WARN of class idle_bound naming the bound, not an unreachable database", line)
+	}
+	// The row went again, after the bound had ended its first read.
+	testenv.Eventually(t, 30*time.Second, "the row on Kafka again", func() bool { return testenv.MessageCount(t, brokers, dest) >= 2 })
+}

@@ -252,7 +252,7 @@ func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscrib
 // subscriberWatched is subscriber; for a forwarder (not initialize) it
 // also returns the watch on its progress row, which the forwarder closes on.
 func (o *Outbox) subscriberWatched(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, *progressWatch, error) {
-	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
+	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified, idleBound: o.idleLimit(),
 		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
 	progress := forwarderGroup
 	var beginner watermillsql.Beginner = rowsErrBeginner{watermillsql.BeginnerFromPgx(pgdb.IdleBounded{DB: db, Idle: o.idleLimit()}), backoff}
@@ -464,6 +464,7 @@ const (
 type pollBackoff struct {
 	log             *slog.Logger
 	database, table string
+	idleBound       time.Duration // the read's Outbox.IdleInTransactionTimeout
 	mu              sync.Mutex
 	steps           retrylog.Steps
 	// readErr: the error of the poll's rows (rowsErr), which the
@@ -507,6 +508,17 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 	}
 	wait, since := b.steps.Failed()
 	level, class, action := retrylog.Class(err)
+	if class == "idle_bound" {
+		// A read waits on Kafka's acknowledgement inside its transaction:
+		// a Kafka slower than the bound, not a database gone.
+		bound := fmt.Sprintf("its Outbox.IdleInTransactionTimeout (%s)", b.idleBound)
+		if b.idleBound < 0 {
+			bound = "the server's idle_in_transaction_session_timeout"
+		}
+		b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder's read on database %s waited on Kafka longer than %s, and the server ended its transaction; its rows go again; retrying in %s", b.database, bound, wait),
+			"database", b.database, "table", b.table, "error_class", class, "idle_bound", b.idleBound, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
+		return wait
+	}
 	b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder cannot read the outbox on database %s: %s; retrying in %s", b.database, action, wait),
 		"database", b.database, "table", b.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
 	return wait
