@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/once-dev/once/internal/testenv"
 	"github.com/once-dev/once/outbox"
@@ -82,6 +83,25 @@ func (p *holdingPublisher) Publish(topic string, msgs ...*message.Message) error
 	return p.KafkaPublisher.Publish(topic, msgs...)
 }
 
+// idleBoundOutbox is an outbox of tables of its own (name and name_offsets),
+// made in pool, whose forwarder's transactions the server ends after idle.
+func idleBoundOutbox(t *testing.T, pool *pgxpool.Pool, prefix string, log *slog.Logger, idle time.Duration) (ob *outbox.Outbox, name string) {
+	t.Helper()
+	name = fmt.Sprintf("%s_%d", prefix, time.Now().UnixNano()%1e9)
+	ob, err := outbox.New(schema.Config{Outbox: name, OutboxOffsets: name + "_offsets"}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ob.IdleInTransactionTimeout = idle
+	if err := ob.Init(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+pgx.Identifier{name}.Sanitize()+`, `+pgx.Identifier{name + "_offsets"}.Sanitize())
+	})
+	return ob, name
+}
+
 // A forwarder that vanished behind a network black hole while Kafka was
 // acknowledging what its transaction read cannot tell the server it gave
 // up: its backend stays idle in the transaction, holding the outbox's
@@ -95,18 +115,7 @@ func TestAForwarderThatVanishedMidPollReleasesTheOutbox(t *testing.T) {
 	brokers := testenv.Brokers(t)
 	dest := testenv.Topic(t, brokers, 1)
 	ctx := context.Background()
-	name := fmt.Sprintf("outbox_vanished_%d", time.Now().UnixNano()%1e9)
-	ob, err := outbox.New(schema.Config{Outbox: name, OutboxOffsets: name + "_offsets"}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ob.IdleInTransactionTimeout = 2 * time.Second
-	if err := ob.Init(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+pgx.Identifier{name}.Sanitize()+`, `+pgx.Identifier{name + "_offsets"}.Sanitize())
-	})
+	ob, name := idleBoundOutbox(t, pool, "outbox_vanished", nil, 2*time.Second)
 	write := func(id uuid.UUID) {
 		t.Helper()
 		tx, err := pool.Begin(ctx)
@@ -223,18 +232,9 @@ func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
 	brokers := testenv.Brokers(t)
 	dest := testenv.Topic(t, brokers, 1)
 	ctx := context.Background()
-	name := fmt.Sprintf("outbox_idle_%d", time.Now().UnixNano()%1e9)
 	var logged testenv.Logs
-	ob, err := outbox.New(schema.Config{Outbox: name, OutboxOffsets: name + "_offsets"}, slog.New(slog.NewJSONHandler(&logged, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ob.IdleInTransactionTimeout = time.Second
-	if err := ob.Init(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
+	ob, _ := idleBoundOutbox(t, pool, "outbox_idle", slog.New(slog.NewJSONHandler(&logged, nil)), time.Second)
 	t.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), `DROP TABLE IF EXISTS `+pgx.Identifier{name}.Sanitize()+`, `+pgx.Identifier{name + "_offsets"}.Sanitize())
 		if t.Failed() {
 			t.Logf("the forwarder's log:\n%s", logged.String())
 		}
