@@ -208,18 +208,19 @@ func TestAnIdleBoundTheServerCannotTakeIsRefused(t *testing.T) {
 	}
 }
 
-// stallingPublisher waits stall before its first publish, as a Kafka that
-// is slow to acknowledge.
+// stallingPublisher waits stall before its first publish, and each before
+// every one, as a Kafka that is slow to acknowledge.
 type stallingPublisher struct {
 	outbox.KafkaPublisher
-	stall   time.Duration
-	stalled atomic.Int64
+	stall, each time.Duration
+	stalled     atomic.Int64
 }
 
 func (p *stallingPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if p.stalled.CompareAndSwap(0, 1) {
 		time.Sleep(p.stall)
 	}
+	time.Sleep(p.each)
 	return p.KafkaPublisher.Publish(topic, msgs...)
 }
 
@@ -276,4 +277,56 @@ func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
 	}
 	// The row went again, after the bound had ended its first read.
 	testenv.Eventually(t, 30*time.Second, "the row on Kafka again", func() bool { return testenv.MessageCount(t, brokers, dest) >= 2 })
+}
+
+// A Kafka always slower than the idle bound for a poll's rows (each publish
+// quick, but a poll's rows one after another) ends every read: the outbox
+// does not move, and the rows go again at every try. The second read ended
+// in a row is an ERROR that says so (review: it was a WARN for ever, which
+// reads as something that passes by itself).
+func TestAnOutboxEveryReadOfWhichTheIdleBoundEndsIsAnError(t *testing.T) {
+	pool := testenv.Postgres(t)
+	brokers := testenv.Brokers(t)
+	dest := testenv.Topic(t, brokers, 1)
+	ctx := context.Background()
+	var logged testenv.Logs
+	ob, _ := idleBoundOutbox(t, pool, "outbox_cut", slog.New(slog.NewJSONHandler(&logged, nil)), time.Second)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the forwarder's log:\n%s", logged.String())
+		}
+	})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rows = 40 // at 50 ms each, 2 s a poll against a 1 s bound
+	for i := range rows {
+		if err := ob.Publish(ctx, tx, outbox.Message{Topic: dest, Key: "k", ID: fmt.Sprintf("slow-%d", i), Payload: []byte(`{}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pub := &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, brokers)}, each: 50 * time.Millisecond}
+	fw, err := ob.Forwarder(pool, pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- fw.Run(runCtx) }()
+	t.Cleanup(func() { stop(); <-done })
+
+	testenv.Eventually(t, 30*time.Second, "an ERROR saying the idle bound ends every read", func() bool {
+		return strings.Contains(logged.String(), "2 times in a row")
+	})
+	cuts := logged.JSONLines(t, "WARN", "ERROR")
+	if len(cuts) < 2 || cuts[0]["level"] != "WARN" || cuts[1]["level"] != "ERROR" || cuts[1]["error_class"] != "idle_bound" || cuts[1]["cuts_in_a_row"] != float64(2) {
+		t.Fatalf("the lines of the first two reads ended: %v; want a WARN, then an ERROR of class idle_bound with 2 cuts in a row", cuts)
+	}
+	if strings.Contains(logged.String(), "reads the outbox again") {
+		t.Fatal("a read worked between the two: the fault was not every read")
+	}
 }
