@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -224,59 +225,95 @@ func (p *stallingPublisher) Publish(topic string, msgs ...*message.Message) erro
 	return p.KafkaPublisher.Publish(topic, msgs...)
 }
 
-// A forwarder whose Kafka acknowledged slower than the forwarder's idle
-// bound has its transaction ended by the server. That is the bound at
-// work, not the database gone: the line says so and names the setting,
-// and the rows go again.
-func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
-	pool := testenv.Postgres(t)
-	brokers := testenv.Brokers(t)
-	dest := testenv.Topic(t, brokers, 1)
-	ctx := context.Background()
-	var logged testenv.Logs
-	ob, _ := idleBoundOutbox(t, pool, "outbox_idle", slog.New(slog.NewJSONHandler(&logged, nil)), time.Second)
+// slowKafka is an outbox with a 1 s idle bound, of tables of its own,
+// whose forwarder publishes through a stallingPublisher; logged is its log.
+type slowKafka struct {
+	pool    *pgxpool.Pool
+	brokers []string
+	dest    string
+	ob      *outbox.Outbox
+	pub     *stallingPublisher
+	logged  testenv.Logs
+}
+
+func newSlowKafka(t *testing.T, prefix string, stall, each time.Duration) *slowKafka {
+	t.Helper()
+	k := &slowKafka{pool: testenv.Postgres(t), brokers: testenv.Brokers(t)}
+	k.dest = testenv.Topic(t, k.brokers, 1)
+	k.ob, _ = idleBoundOutbox(t, k.pool, prefix, slog.New(slog.NewJSONHandler(&k.logged, nil)), time.Second)
+	k.pub = &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, k.brokers)}, stall: stall, each: each}
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("the forwarder's log:\n%s", logged.String())
+			t.Logf("the forwarder's log:\n%s", k.logged.String())
 		}
 	})
-	pub := &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, brokers)}, stall: 3 * time.Second}
-	fw, err := ob.Forwarder(pool, pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- fw.Run(runCtx) }()
-	t.Cleanup(func() { stop(); <-done })
+	return k
+}
 
-	tx, err := pool.Begin(ctx)
+// write commits rows with these ids to the outbox, in one transaction.
+func (k *slowKafka) write(t *testing.T, ids ...string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := k.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ob.Publish(ctx, tx, outbox.Message{Topic: dest, Key: "k", ID: "held-by-kafka", Payload: []byte(`{}`)}); err != nil {
-		t.Fatal(err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	for _, id := range ids {
+		if err := k.ob.Publish(ctx, tx, outbox.Message{Topic: k.dest, Key: "k", ID: id, Payload: []byte(`{}`)}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// run starts the forwarder until the test ends.
+func (k *slowKafka) run(t *testing.T) {
+	t.Helper()
+	runForwarder(t, k.ob, k.pool, k.pub)
+}
+
+// runForwarder runs ob's forwarder on db until the test ends.
+func runForwarder(t *testing.T, ob *outbox.Outbox, db *pgxpool.Pool, pub message.Publisher) *forwarder.Forwarder {
+	t.Helper()
+	fw, err := ob.Forwarder(db, pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- fw.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	return fw
+}
+
+// A forwarder whose Kafka acknowledged slower than the forwarder's idle
+// bound has its transaction ended by the server. That is the bound at
+// work, not the database refusing the read: the line says so and names the
+// setting, and the rows go again.
+func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
+	k := newSlowKafka(t, "outbox_idle", 3*time.Second, 0)
+	k.run(t)
+	k.write(t, "held-by-kafka")
 	testenv.Eventually(t, 30*time.Second, "a line naming the forwarder's idle bound", func() bool {
-		return strings.Contains(logged.String(), "IdleInTransactionTimeout")
+		return strings.Contains(k.logged.String(), "IdleInTransactionTimeout")
 	})
-	if pub.stalled.Load() != 1 {
+	if k.pub.stalled.Load() != 1 {
 		t.Fatal("the publish never stalled: the fault did not happen")
 	}
 	var line map[string]any
-	for _, l := range logged.JSONLines(t, "WARN", "ERROR") {
+	for _, l := range k.logged.JSONLines(t, "WARN", "ERROR") {
 		if msg, _ := l["msg"].(string); strings.Contains(msg, "IdleInTransactionTimeout") {
 			line = l
 		}
 	}
-	if line["level"] != "WARN" || line["error_class"] != "idle_bound" || line["idle_bound"] != float64(time.Second) || strings.Contains(line["msg"].(string), "cannot be reached") {
-		t.Errorf("the bound's line: %v; want a WARN of class idle_bound naming the bound, not an unreachable database", line)
+	if line["level"] != "WARN" || line["error_class"] != "idle_bound" || line["idle_bound"] != float64(time.Second) || strings.Contains(line["msg"].(string), "refused") {
+		t.Errorf("the bound's line: %v; want a WARN of class idle_bound naming the bound, not a refused read", line)
 	}
 	// The row went again, after the bound had ended its first read.
-	testenv.Eventually(t, 30*time.Second, "the row on Kafka again", func() bool { return testenv.MessageCount(t, brokers, dest) >= 2 })
+	testenv.Eventually(t, 30*time.Second, "the row on Kafka again", func() bool { return testenv.MessageCount(t, k.brokers, k.dest) >= 2 })
 }
 
 // A Kafka always slower than the idle bound for a poll's rows (each publish
@@ -285,48 +322,21 @@ func TestAForwarderHeldByKafkaPastItsIdleBoundSaysSo(t *testing.T) {
 // in a row is an ERROR that says so (review: it was a WARN for ever, which
 // reads as something that passes by itself).
 func TestAnOutboxEveryReadOfWhichTheIdleBoundEndsIsAnError(t *testing.T) {
-	pool := testenv.Postgres(t)
-	brokers := testenv.Brokers(t)
-	dest := testenv.Topic(t, brokers, 1)
-	ctx := context.Background()
-	var logged testenv.Logs
-	ob, _ := idleBoundOutbox(t, pool, "outbox_cut", slog.New(slog.NewJSONHandler(&logged, nil)), time.Second)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("the forwarder's log:\n%s", logged.String())
-		}
-	})
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
+	k := newSlowKafka(t, "outbox_cut", 0, 50*time.Millisecond)
+	ids := make([]string, 40) // at 50 ms each, 2 s a poll against a 1 s bound
+	for i := range ids {
+		ids[i] = fmt.Sprintf("slow-%d", i)
 	}
-	const rows = 40 // at 50 ms each, 2 s a poll against a 1 s bound
-	for i := range rows {
-		if err := ob.Publish(ctx, tx, outbox.Message{Topic: dest, Key: "k", ID: fmt.Sprintf("slow-%d", i), Payload: []byte(`{}`)}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	pub := &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, brokers)}, each: 50 * time.Millisecond}
-	fw, err := ob.Forwarder(pool, pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	runCtx, stop := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- fw.Run(runCtx) }()
-	t.Cleanup(func() { stop(); <-done })
-
+	k.write(t, ids...)
+	k.run(t)
 	testenv.Eventually(t, 30*time.Second, "an ERROR saying the idle bound ends every read", func() bool {
-		return strings.Contains(logged.String(), "2 times in a row")
+		return strings.Contains(k.logged.String(), "2 times in a row")
 	})
-	cuts := logged.JSONLines(t, "WARN", "ERROR")
+	cuts := k.logged.JSONLines(t, "WARN", "ERROR")
 	if len(cuts) < 2 || cuts[0]["level"] != "WARN" || cuts[1]["level"] != "ERROR" || cuts[1]["error_class"] != "idle_bound" || cuts[1]["cuts_in_a_row"] != float64(2) {
 		t.Fatalf("the lines of the first two reads ended: %v; want a WARN, then an ERROR of class idle_bound with 2 cuts in a row", cuts)
 	}
-	if strings.Contains(logged.String(), "reads the outbox again") {
+	if strings.Contains(k.logged.String(), "reads the outbox again") {
 		t.Fatal("a read worked between the two: the fault was not every read")
 	}
 }
