@@ -209,19 +209,20 @@ func TestAnIdleBoundTheServerCannotTakeIsRefused(t *testing.T) {
 	}
 }
 
-// stallingPublisher waits stall before its first publish, and each before
-// every one, as a Kafka that is slow to acknowledge.
+// stallingPublisher is a Kafka slow to acknowledge: the next publish waits
+// next (once), and every publish waits each (both in nanoseconds).
 type stallingPublisher struct {
 	outbox.KafkaPublisher
-	stall, each time.Duration
-	stalled     atomic.Int64
+	next, each atomic.Int64
+	stalled    atomic.Int64 // publishes that waited next
 }
 
 func (p *stallingPublisher) Publish(topic string, msgs ...*message.Message) error {
-	if p.stalled.CompareAndSwap(0, 1) {
-		time.Sleep(p.stall)
+	if d := p.next.Swap(0); d > 0 {
+		p.stalled.Add(1)
+		time.Sleep(time.Duration(d))
 	}
-	time.Sleep(p.each)
+	time.Sleep(time.Duration(p.each.Load()))
 	return p.KafkaPublisher.Publish(topic, msgs...)
 }
 
@@ -241,7 +242,9 @@ func newSlowKafka(t *testing.T, prefix string, stall, each time.Duration) *slowK
 	k := &slowKafka{pool: testenv.Postgres(t), brokers: testenv.Brokers(t)}
 	k.dest = testenv.Topic(t, k.brokers, 1)
 	k.ob, _ = idleBoundOutbox(t, k.pool, prefix, slog.New(slog.NewJSONHandler(&k.logged, nil)), time.Second)
-	k.pub = &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, k.brokers)}, stall: stall, each: each}
+	k.pub = &stallingPublisher{KafkaPublisher: outbox.KafkaPublisher{Producer: testenv.Producer(t, k.brokers)}}
+	k.pub.next.Store(int64(stall))
+	k.pub.each.Store(int64(each))
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("the forwarder's log:\n%s", k.logged.String())
@@ -333,10 +336,26 @@ func TestAnOutboxEveryReadOfWhichTheIdleBoundEndsIsAnError(t *testing.T) {
 		return strings.Contains(k.logged.String(), "2 times in a row")
 	})
 	cuts := k.logged.JSONLines(t, "WARN", "ERROR")
-	if len(cuts) < 2 || cuts[0]["level"] != "WARN" || cuts[1]["level"] != "ERROR" || cuts[1]["error_class"] != "idle_bound" || cuts[1]["cuts_in_a_row"] != float64(2) {
+	if len(cuts) < 2 || cuts[0]["level"] != "WARN" || cuts[0]["error_class"] != "idle_bound" || cuts[0]["cuts_in_a_row"] != float64(1) ||
+		cuts[1]["level"] != "ERROR" || cuts[1]["error_class"] != "idle_bound" || cuts[1]["cuts_in_a_row"] != float64(2) {
 		t.Fatalf("the lines of the first two reads ended: %v; want a WARN, then an ERROR of class idle_bound with 2 cuts in a row", cuts)
 	}
 	if strings.Contains(k.logged.String(), "reads the outbox again") {
 		t.Fatal("a read worked between the two: the fault was not every read")
+	}
+
+	// Kafka is quick again: a read works, and the count starts over. The
+	// next cut is a WARN of its own, not a third in a row.
+	k.pub.each.Store(0)
+	testenv.Eventually(t, 30*time.Second, "a read that works", func() bool { return strings.Contains(k.logged.String(), "reads the outbox again") })
+	before := len(k.logged.JSONLines(t, "WARN", "ERROR"))
+	k.pub.next.Store(int64(3 * time.Second))
+	k.write(t, "after-kafka-came-back")
+	testenv.Eventually(t, 30*time.Second, "the cut after Kafka came back", func() bool { return len(k.logged.JSONLines(t, "WARN", "ERROR")) > before })
+	if k.pub.stalled.Load() != 1 {
+		t.Fatal("the publish after Kafka came back never stalled: the fault did not happen")
+	}
+	if cut := k.logged.JSONLines(t, "WARN", "ERROR")[before]; cut["level"] != "WARN" || cut["cuts_in_a_row"] != float64(1) {
+		t.Fatalf("the cut after a read that worked: %v; want a WARN, the first in a row", cut)
 	}
 }
