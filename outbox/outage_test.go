@@ -27,7 +27,14 @@ func TestAnOutageLogsOneLinePerBackoffStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fw := runForwarder(t, ob, pool, outbox.KafkaPublisher{Producer: testenv.Producer(t, testenv.Brokers(t))})
+	fw, err := ob.Forwarder(pool, outbox.KafkaPublisher{Producer: testenv.Producer(t, testenv.Brokers(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- fw.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
 	<-fw.Running()
 
 	proxy.Down(true)

@@ -45,12 +45,11 @@ type Outbox struct {
 	// server it gave up: without this bound its backend keeps the lock
 	// until TCP keepalive notices, two hours by default, and every other
 	// forwarder of the table waits all that time, so nothing from the
-	// outbox reaches Kafka. Set it above the time Kafka takes to
-	// acknowledge a poll's rows (up to 100, published one after another,
-	// each waited for at most 30 s, watermill-sql's ack deadline): a
-	// transaction cut short sends its rows again (consumers skip the copies
-	// by their event ids), and a Kafka always slower than the bound for a
-	// poll's rows ends every poll, so the outbox does not move. Zero means
+	// outbox reaches Kafka. Set it above the longest Kafka publish of a
+	// poll: a transaction cut short publishes its rows again (consumers
+	// skip the copies by their event ids): a Kafka outage longer than it
+	// ends the transaction, and its rows, up to a poll's, go out again
+	// once Kafka is back. Zero means
 	// [DefaultIdleInTransactionTimeout]; a negative value keeps the
 	// server's setting.
 	IdleInTransactionTimeout time.Duration
@@ -76,7 +75,6 @@ func New(tables schema.Config, logger *slog.Logger) (*Outbox, error) {
 		logger = slog.Default()
 	}
 	messages, offsets := tables.OutboxAdapters()
-	messages.SubscribeBatchSize = pollBatchSize
 	return &Outbox{
 		tables:  tables.WithDefaults(),
 		schema:  insertAsText{messages},
@@ -254,7 +252,7 @@ func (o *Outbox) subscriber(db pgdb.DB, initialize bool) (*watermillsql.Subscrib
 // subscriberWatched is subscriber; for a forwarder (not initialize) it
 // also returns the watch on its progress row, which the forwarder closes on.
 func (o *Outbox) subscriberWatched(db pgdb.DB, initialize bool) (*watermillsql.Subscriber, *progressWatch, error) {
-	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified, idleBound: o.idleLimit(),
+	backoff := &pollBackoff{log: o.log, database: retrylog.Host(db), table: o.tables.OutboxTable().Qualified,
 		steps: retrylog.Steps{First: firstRetry, Last: lastRetry}}
 	progress := forwarderGroup
 	var beginner watermillsql.Beginner = rowsErrBeginner{watermillsql.BeginnerFromPgx(pgdb.IdleBounded{DB: db, Idle: o.idleLimit()}), backoff}
@@ -466,11 +464,8 @@ const (
 type pollBackoff struct {
 	log             *slog.Logger
 	database, table string
-	idleBound       time.Duration // the read's Outbox.IdleInTransactionTimeout
 	mu              sync.Mutex
-	// idleCuts: reads the idle bound ended since the last read that worked.
-	idleCuts int
-	steps    retrylog.Steps
+	steps           retrylog.Steps
 	// readErr: the error of the poll's rows (rowsErr), which the
 	// subscriber returns only as "could not close rows".
 	readErr error
@@ -484,7 +479,6 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 	}
 	b.readErr = nil
 	if err == nil {
-		b.idleCuts = 0
 		if recovered, failing := b.steps.Worked(); recovered {
 			b.log.Info("outbox forwarder reads the outbox again", "database", b.database, "table", b.table, "failing_for", failing)
 		}
@@ -513,42 +507,10 @@ func (b *pollBackoff) HandleError(_ watermill.LoggerAdapter, noMsg bool, err err
 	}
 	wait, since := b.steps.Failed()
 	level, class, action := retrylog.Class(err)
-	if class == "idle_bound" {
-		b.logIdleCut(level, wait, since, err)
-		return wait
-	}
 	b.log.Log(context.Background(), level, fmt.Sprintf("outbox forwarder cannot read the outbox on database %s: %s; retrying in %s", b.database, action, wait),
 		"database", b.database, "table", b.table, "error_class", class, "retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
 	return wait
 }
-
-// logIdleCut says that the server ended a read's transaction at the idle
-// bound. A read waits inside its transaction while Kafka acknowledges its
-// rows, up to a poll's, one after another: once, that is a Kafka slower
-// than the bound for a while (WARN, the rows go again); a read cut again
-// with none working between is a Kafka that is always slower than the bound
-// for a poll's rows, and the outbox does not move until someone acts.
-func (b *pollBackoff) logIdleCut(level slog.Level, wait time.Duration, since time.Time, err error) {
-	b.idleCuts++
-	bound, attrs := "the server's idle_in_transaction_session_timeout", []any{}
-	if b.idleBound > 0 {
-		bound, attrs = fmt.Sprintf("its Outbox.IdleInTransactionTimeout (%s)", b.idleBound), []any{"idle_bound", b.idleBound}
-	}
-	msg := fmt.Sprintf("outbox forwarder's read on database %s waited on Kafka longer than %s, and the server ended its transaction; its rows go again; retrying in %s",
-		b.database, bound, wait)
-	if b.idleCuts > 1 {
-		level = slog.LevelError
-		msg = fmt.Sprintf("outbox forwarder's reads on database %s were ended by %s %d times in a row, none working between: Kafka acknowledges a read's rows (up to %d, one after another) slower than that, so the outbox does not move and those rows go to Kafka again at every try; raise the bound or find why Kafka is slow; retrying in %s",
-			b.database, bound, b.idleCuts, pollBatchSize, wait)
-	}
-	attrs = append(attrs, "database", b.database, "table", b.table, "error_class", "idle_bound", "cuts_in_a_row", b.idleCuts,
-		"retry_in", wait, "failing_for", time.Since(since).Round(time.Millisecond), "err", err)
-	b.log.Log(context.Background(), level, msg, attrs...)
-}
-
-// pollBatchSize is how many rows a read of the outbox takes at most
-// (watermill-sql's own default).
-const pollBatchSize = 100
 
 func (o *Outbox) idleLimit() time.Duration {
 	if o.IdleInTransactionTimeout == 0 {

@@ -52,11 +52,6 @@ func Host(db any) string {
 	return ""
 }
 
-// IdleBoundCode is the SQLSTATE of a session the server ended because its
-// transaction sat idle longer than idle_in_transaction_session_timeout:
-// the bound a transaction of ours set for itself, at work.
-const IdleBoundCode = "25P03"
-
 // Class says what kind of failure err is, for a person reading the line:
 // a server that cannot be reached or is going away is an outage (WARN:
 // it passes by itself, and the backoff waits it out); a server that
@@ -69,8 +64,6 @@ func Class(err error) (level slog.Level, what, action string) {
 		return slog.LevelWarn, "unreachable", "the database cannot be reached; waiting for it"
 	}
 	switch code := pgErr.Code; {
-	case code == IdleBoundCode:
-		return slog.LevelWarn, "idle_bound", "the server ended a transaction that sat idle longer than its idle_in_transaction_session_timeout; its work goes again"
 	case code == "42501":
 		return slog.LevelError, "permission_denied", "permission denied: grant the service's role what it needs on the table (docs/operating.md, least privilege)"
 	case code == "3D000" || code == "3F000" || code == "42P01":
