@@ -45,11 +45,12 @@ type Outbox struct {
 	// server it gave up: without this bound its backend keeps the lock
 	// until TCP keepalive notices, two hours by default, and every other
 	// forwarder of the table waits all that time, so nothing from the
-	// outbox reaches Kafka. Set it above the longest Kafka publish of a
-	// poll: a transaction cut short publishes its rows again (consumers
-	// skip the copies by their event ids): a Kafka outage longer than it
-	// ends the transaction, and its rows, up to a poll's, go out again
-	// once Kafka is back. Zero means
+	// outbox reaches Kafka. Set it above the time Kafka takes to
+	// acknowledge a poll's rows (up to 100, published one after another,
+	// each waited for at most 30 s, watermill-sql's ack deadline): a
+	// transaction cut short sends its rows again (consumers skip the copies
+	// by their event ids), and a Kafka always slower than the bound for a
+	// poll's rows ends every poll, so the outbox does not move. Zero means
 	// [DefaultIdleInTransactionTimeout]; a negative value keeps the
 	// server's setting.
 	IdleInTransactionTimeout time.Duration
